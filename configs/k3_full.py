@@ -1,0 +1,87 @@
+"""The released Kimi K3 text model (k3-math.md §0.2), trained with the default recipe.
+
+Every model-defining number is written here explicitly; other configs derive from this one.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  m = c.model = ml_collections.ConfigDict()
+  m.vocab_size = 163_840
+  m.d_model = 7168
+  m.num_layers = 93
+  # 1-indexed layer numbers of the gated NoPE MLA layers; every other layer is KDA.
+  m.mla_layers = tuple(range(4, 93, 4)) + (93,)
+  m.num_dense_layers = 1          # layers [0, num_dense_layers) use the dense FFN
+  m.dense_ffn_hidden = 33_792
+  m.norm_eps = 1e-5
+  m.init_std = 0.02
+  m.situ_beta = 4.0
+  m.situ_linear_beta = 25.0
+  m.dtype = "bfloat16"            # activation / matmul dtype (fp32 accumulation)
+  m.param_dtype = "float32"
+  m.scan_layers = True
+  m.remat_policy = "full"         # none | full | dots_saveable | dots_with_no_batch_dims_saveable
+
+  k = m.kda = ml_collections.ConfigDict()
+  k.num_heads = 96
+  k.head_dim = 128
+  k.conv_size = 4
+  k.gate_lower_bound = -5.0
+  k.chunk_size = 64
+  k.backend = "jax"               # see pallas_kernels.kda: reference | jax | pallas_gpu | pallas_tpu | auto
+
+  a = m.mla = ml_collections.ConfigDict()
+  a.num_heads = 96
+  a.q_lora_rank = 1536
+  a.kv_lora_rank = 512
+  a.qk_nope_head_dim = 128
+  a.qk_rope_head_dim = 64         # present but never rotated (NoPE)
+  a.v_head_dim = 128
+  a.latent_norm_eps = 1e-6
+  a.output_gate = True
+
+  e = m.moe = ml_collections.ConfigDict()
+  e.num_experts = 896
+  e.top_k = 16
+  e.latent_dim = 3584
+  e.expert_hidden = 3072
+  e.num_shared_experts = 2
+  e.shared_hidden = 6144          # both shared experts together, stored as one MLP
+  e.routed_scaling_factor = 1.0
+  e.renormalize = True
+  e.latent_norm = True
+  e.quantile_balancing = True
+  e.backend = "ragged_dot"        # see pallas_kernels.moe: reference | ragged_dot
+
+  r = m.attn_res = ml_collections.ConfigDict()
+  r.block_size = 12               # decoder layers per AttnRes block
+
+  d = c.data = ml_collections.ConfigDict()
+  d.source = "python_stdlib"      # embedded default corpus; see k3train/data
+  d.tokenizer = "default"         # the byte-level BPE the repo ships
+  d.seq_len = 4096
+  d.shuffle_seed = 0
+  d.num_workers = 0
+
+  t = c.train = ml_collections.ConfigDict()
+  t.seed = 0
+  t.global_batch_size = 2048
+  t.steps = 1_000_000
+  t.learning_rate = 3e-4
+  t.warmup_steps = 2000
+  t.min_lr_ratio = 0.1
+  t.weight_decay = 0.1
+  t.grad_clip_norm = 1.0
+  t.log_every = 10
+  t.peak_flops_per_device = 989e12  # dense bf16 peak of one H100/H200, for MFU
+
+  k = c.checkpoint = ml_collections.ConfigDict()
+  k.every_steps = 1000
+  k.max_to_keep = 3
+  k.async_save = True
+
+  return c

@@ -1,0 +1,50 @@
+"""A tiny K3 that trains on a laptop CPU: every layer kind, 2 scanned super-blocks, 4 AttnRes blocks.
+
+Derived from k3_full; only sizes change. One step takes well under a second on 2 CPU cores.
+"""
+
+from configs import k3_full
+
+
+def get_config():
+  c = k3_full.get_config()
+  m = c.model
+  m.vocab_size = 4096             # the shipped default tokenizer's vocabulary
+  m.d_model = 64
+  m.num_layers = 13               # 4-layer prefix (dense layer 0), 2 scanned super-blocks, final MLA
+  m.mla_layers = (4, 8, 12, 13)
+  m.dense_ffn_hidden = 192
+  m.dtype = "float32"
+  m.remat_policy = "none"
+
+  m.kda.num_heads = 2
+  m.kda.head_dim = 32
+  m.kda.chunk_size = 32
+
+  m.mla.num_heads = 2
+  m.mla.q_lora_rank = 48
+  m.mla.kv_lora_rank = 32
+  m.mla.qk_nope_head_dim = 32
+  m.mla.qk_rope_head_dim = 16
+  m.mla.v_head_dim = 32
+
+  m.moe.num_experts = 8
+  m.moe.top_k = 2
+  m.moe.latent_dim = 32
+  m.moe.expert_hidden = 32
+  m.moe.shared_hidden = 64
+
+  m.attn_res.block_size = 4
+
+  c.data.seq_len = 128
+
+  c.train.global_batch_size = 8
+  c.train.steps = 200
+  c.train.learning_rate = 3e-3
+  c.train.warmup_steps = 10
+  c.train.log_every = 10
+  c.train.peak_flops_per_device = 1e11   # rough fp32 peak of 2 laptop cores, for the MFU estimate
+
+  c.checkpoint.every_steps = 50
+  c.checkpoint.max_to_keep = 2
+  return c

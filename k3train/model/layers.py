@@ -1,0 +1,137 @@
+"""Basic building blocks shared by every layer: logical-axis linear maps, RMSNorm, SiTU-GLU, embeddings.
+
+All modules are single-device code. Every parameter carries logical axis names (see
+`k3train/model/axes.py`); parallel layout is decided by rule tables in `k3train/parallel`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3train.model import axes as ax
+
+Shape = Sequence[int]
+Axes = Sequence[str]
+
+
+def normal_init(std: float):
+  return nnx.initializers.normal(stddev=std)
+
+
+def param(rngs: nnx.Rngs | None, init, shape: Shape, names: Axes, dtype=jnp.float32) -> nnx.Param:
+  """A parameter with logical axis names attached as sharding metadata."""
+  if len(shape) != len(names):
+    raise ValueError(f"parameter shape {tuple(shape)} and logical axes {tuple(names)} differ in rank")
+  key = rngs.params() if rngs is not None else jax.random.key(0)
+  # Logical names only: the mesh layout is applied later by k3train.parallel rule tables.
+  return nnx.Param(init(key, tuple(shape), dtype), out_sharding=tuple(names), eager_sharding=False)
+
+
+class Linear(nnx.Module):
+  """y = x · W contracting the trailing `in_shape` dims of x with the leading dims of W.
+
+  The kernel has shape `in_shape + out_shape` (e.g. [d, heads, head_dim] for a per-head
+  projection) so that heads are a real axis: tensor parallelism shards it and per-head Muon
+  treats it as a batch axis. Matmul runs in `dtype` with fp32 accumulation.
+  """
+
+  def __init__(self, in_shape: Shape, out_shape: Shape, names: Axes, *, std: float = 0.02,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.in_shape = tuple(in_shape)
+    self.out_shape = tuple(out_shape)
+    self.dtype = dtype
+    self.kernel = param(rngs, normal_init(std), self.in_shape + self.out_shape, names, param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n_in = len(self.in_shape)
+    if x.shape[x.ndim - n_in:] != self.in_shape:
+      raise ValueError(f"Linear expects trailing dims {self.in_shape}, got input shape {x.shape}")
+    lhs_contract = tuple(range(x.ndim - n_in, x.ndim))
+    rhs_contract = tuple(range(n_in))
+    y = jax.lax.dot_general(
+        x.astype(self.dtype), self.kernel.value.astype(self.dtype),
+        ((lhs_contract, rhs_contract), ((), ())),
+        preferred_element_type=jnp.float32)
+    return y.astype(self.dtype)
+
+
+def rms_norm(x: jax.Array, gain: jax.Array | None, eps: float) -> jax.Array:
+  """RMSNorm over the last axis in fp32; returns x's dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if gain is not None:
+    y = y * gain.astype(jnp.float32)
+  return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """gamma ⊙ x / sqrt(mean(x²) + eps), computed in fp32, gain initialised to 1."""
+
+  def __init__(self, dim: int, *, eps: float, name: str = ax.NORM, param_dtype=jnp.float32,
+               rngs: nnx.Rngs | None = None):
+    self.eps = eps
+    self.scale = param(rngs, nnx.initializers.ones, (dim,), (name,), param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return rms_norm(x, self.scale.value, self.eps)
+
+
+def situ(g: jax.Array, beta: float) -> jax.Array:
+  """SiTU_β(g) = β·tanh(g/β)·σ(g) (k3-math §5.4), fp32."""
+  g = g.astype(jnp.float32)
+  return beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g)
+
+
+def situ_glu(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None) -> jax.Array:
+  """SiTU-GLU(g, u) = SiTU_β1(g) · β2·tanh(u/β2); bounded by β1·β2 (k3-math §5.4). Returns g's dtype."""
+  u32 = u.astype(jnp.float32)
+  up = u32 if linear_beta is None else linear_beta * jnp.tanh(u32 / linear_beta)
+  return (situ(g, beta) * up).astype(g.dtype)
+
+
+class GluMLP(nnx.Module):
+  """W_down · SiTU-GLU(x W_gate, x W_up): dense first-layer FFN and shared experts."""
+
+  def __init__(self, d_model: int, hidden: int, *, beta: float, linear_beta: float | None,
+               std: float = 0.02, dtype=jnp.float32, param_dtype=jnp.float32,
+               in_axis: str = ax.EMBED, hidden_axis: str = ax.MLP, rngs: nnx.Rngs):
+    self.beta = beta
+    self.linear_beta = linear_beta
+    kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.gate_proj = Linear((d_model,), (hidden,), (in_axis, hidden_axis), **kw)
+    self.up_proj = Linear((d_model,), (hidden,), (in_axis, hidden_axis), **kw)
+    self.down_proj = Linear((hidden,), (d_model,), (hidden_axis, in_axis), **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
+    h = ax.constrain(h, ax.BATCH, ax.SEQ, ax.MLP) if h.ndim == 3 else h
+    return self.down_proj(h)
+
+
+class Embed(nnx.Module):
+  """Token embedding table [vocab, d]."""
+
+  def __init__(self, vocab: int, d_model: int, *, std: float = 0.02, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.embedding = param(rngs, normal_init(std), (vocab, d_model), (ax.VOCAB, ax.EMBED), param_dtype)
+
+  def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding.value, tokens_bt, axis=0).astype(self.dtype)
+
+
+def dtype_from_name(name: str):
+  try:
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64,
+            "float16": jnp.float16}[name]
+  except KeyError:
+    raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16, float16 or float64") from None
+
+
+def fan_in_std(fan_in: int) -> float:
+  return 1.0 / math.sqrt(fan_in)
