@@ -54,7 +54,7 @@ class Linear(nnx.Module):
     lhs_contract = tuple(range(x.ndim - n_in, x.ndim))
     rhs_contract = tuple(range(n_in))
     y = jax.lax.dot_general(
-        x.astype(self.dtype), self.kernel.value.astype(self.dtype),
+        x.astype(self.dtype), self.kernel[...].astype(self.dtype),
         ((lhs_contract, rhs_contract), ((), ())),
         preferred_element_type=jnp.float32)
     return y.astype(self.dtype)
@@ -78,7 +78,7 @@ class RMSNorm(nnx.Module):
     self.scale = param(rngs, nnx.initializers.ones, (dim,), (name,), param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return rms_norm(x, self.scale.value, self.eps)
+    return rms_norm(x, self.scale[...], self.eps)
 
 
 def situ(g: jax.Array, beta: float) -> jax.Array:
@@ -122,7 +122,7 @@ class Embed(nnx.Module):
     self.embedding = param(rngs, normal_init(std), (vocab, d_model), (ax.VOCAB, ax.EMBED), param_dtype)
 
   def __call__(self, tokens_bt: jax.Array) -> jax.Array:
-    return jnp.take(self.embedding.value, tokens_bt, axis=0).astype(self.dtype)
+    return jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.dtype)
 
 
 def dtype_from_name(name: str):

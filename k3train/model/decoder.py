@@ -1,0 +1,158 @@
+"""The K3 decoder: layer schedule, AttnRes wiring, scanned super-blocks, final norm and untied head.
+
+Layout (k3-math §10, DESIGN.md principle 2): an unscanned prefix (the dense first layer up to the
+first MLA layer), `lax.scan` over identical super-blocks [KDA, KDA, KDA, MLA] (each with MoE),
+and an unscanned suffix (K3: the final extra MLA layer). Each sublayer input is an AttnRes mix
+over completed block sums and the running partial sum (k3-math §3.2).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from k3train import config as config_lib
+from k3train.model import attnres
+from k3train.model import axes as ax
+from k3train.model import layers
+from k3train.model.kda import KimiDeltaAttention
+from k3train.model.mla import GatedMLA
+from k3train.model.moe import StableLatentMoE
+
+
+class DecoderLayer(nnx.Module):
+  """One decoder layer: AttnRes mix → RMSNorm → mixer, then AttnRes mix → RMSNorm → FFN."""
+
+  def __init__(self, m: ml_collections.ConfigDict, mixer: str, ffn: str, *, rngs: nnx.Rngs):
+    dtype, param_dtype = layers.dtype_from_name(m.dtype), layers.dtype_from_name(m.param_dtype)
+    d = m.d_model
+    self.block_size = m.attn_res.block_size
+    self.attn_res = attnres.AttnResMix(d, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.attn_norm = layers.RMSNorm(d, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    if mixer == "kda":
+      self.mixer = KimiDeltaAttention(m.kda, d_model=d, init_std=m.init_std, norm_eps=m.norm_eps,
+                                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    else:
+      self.mixer = GatedMLA(m.mla, d_model=d, init_std=m.init_std, dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+    self.mlp_res = attnres.AttnResMix(d, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.mlp_norm = layers.RMSNorm(d, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    if ffn == "dense":
+      self.ffn = layers.GluMLP(d, m.dense_ffn_hidden, beta=m.situ_beta, linear_beta=m.situ_linear_beta,
+                               std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    else:
+      self.ffn = StableLatentMoE(m.moe, d_model=d, init_std=m.init_std, norm_eps=m.norm_eps,
+                                 situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta,
+                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.ffn_kind = ffn
+
+  def __call__(self, stream, layer_index, segment_ids_bt, token_mask_bt):
+    blocks, num_blocks, p = stream
+    h = self.attn_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
+    blocks, num_blocks, p = attnres.maybe_start_block(stream, layer_index, self.block_size)
+    p = p + self.mixer(self.attn_norm(h), segment_ids_bt)
+    h = self.mlp_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
+    h = self.mlp_norm(h)
+    p = p + (self.ffn(h) if self.ffn_kind == "dense" else self.ffn(h, token_mask_bt))
+    p = ax.constrain(p, ax.BATCH, ax.SEQ, ax.EMBED)
+    return blocks, num_blocks, p
+
+
+class SuperBlock(nnx.Module):
+  """One period of the layer schedule (K3: 3 × KDA+MoE, then MLA+MoE)."""
+
+  def __init__(self, m: ml_collections.ConfigDict, period, *, rngs: nnx.Rngs):
+    self.layers = nnx.List([DecoderLayer(m, mixer, ffn, rngs=rngs) for mixer, ffn in period])
+
+  def __call__(self, stream, first_layer_index, segment_ids_bt, token_mask_bt):
+    for i, layer in enumerate(self.layers):
+      stream = layer(stream, first_layer_index + i, segment_ids_bt, token_mask_bt)
+    return stream
+
+
+REMAT_POLICIES = {
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class K3Model(nnx.Module):
+  """tokens [B, T] → logits [B, T, vocab]."""
+
+  def __init__(self, m: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    self.schedule = sched = config_lib.layer_schedule(m)
+    self.num_layers = m.num_layers
+    self.remat_policy = m.remat_policy
+    self.max_sources = attnres.max_sources(m.num_layers, m.attn_res.block_size)
+    dtype, param_dtype = layers.dtype_from_name(m.dtype), layers.dtype_from_name(m.param_dtype)
+    self.embed = layers.Embed(m.vocab_size, m.d_model, std=m.init_std, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+    self.prefix = nnx.List([DecoderLayer(m, *sched.kinds[i], rngs=rngs) for i in range(sched.prefix)])
+    stack = None
+    if sched.num_super_blocks:
+      @nnx.split_rngs(splits=sched.num_super_blocks)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
+      def make_stack(rngs):
+        return SuperBlock(m, sched.period, rngs=rngs)
+      stack = make_stack(rngs)
+    self.stack = nnx.data(stack)
+    self.suffix = nnx.List([DecoderLayer(m, *sched.kinds[i], rngs=rngs)
+                            for i in range(sched.suffix_start, m.num_layers)])
+    self.out_res = attnres.AttnResMix(m.d_model, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.final_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.lm_head = layers.Linear((m.d_model,), (m.vocab_size,), (ax.EMBED, ax.VOCAB), std=m.init_std,
+                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def _run_stack(self, stream, segment_ids_bt, token_mask_bt):
+    sched = self.schedule
+    graphdef, params, rest = nnx.split(self.stack, nnx.Param, ...)
+
+    def body(stream, xs):
+      block_params, block_rest, index = xs
+      block = nnx.merge(graphdef, block_params, block_rest)
+      first = sched.prefix + index * len(sched.period)
+      stream = block(stream, first, segment_ids_bt, token_mask_bt)
+      return stream, nnx.state(block, nnx.Not(nnx.Param))
+
+    if self.remat_policy != "none":
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False)
+    indices = jnp.arange(sched.num_super_blocks, dtype=jnp.int32)
+    stream, new_rest = jax.lax.scan(body, stream, (params, rest, indices))
+    nnx.update(self.stack, new_rest)
+    return stream
+
+  def hidden_states(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
+    """The final AttnRes mix before the norm, [B, T, d] (also the MTP input)."""
+    if token_mask_bt is None:
+      token_mask_bt = jnp.ones(tokens_bt.shape, jnp.float32)
+    x = ax.constrain(self.embed(tokens_bt), ax.BATCH, ax.SEQ, ax.EMBED)
+    stream = attnres.init_stream(x, self.max_sources)
+    for i, layer in enumerate(self.prefix):
+      stream = layer(stream, jnp.int32(i), segment_ids_bt, token_mask_bt)
+    if self.stack is not None:
+      stream = self._run_stack(stream, segment_ids_bt, token_mask_bt)
+    for i, layer in enumerate(self.suffix):
+      stream = layer(stream, jnp.int32(self.schedule.suffix_start + i), segment_ids_bt, token_mask_bt)
+    blocks, num_blocks, p = stream
+    return self.out_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
+
+  def __call__(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
+    h = self.hidden_states(tokens_bt, segment_ids_bt, token_mask_bt)
+    logits = self.lm_head(self.final_norm(h))
+    return ax.constrain(logits, ax.BATCH, ax.SEQ, ax.VOCAB)
+
+
+# Initialisation runs once, so compile it fast rather than well (3-4x quicker to compile on CPU).
+_INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def build_model(m: ml_collections.ConfigDict, seed: int = 0, out_shardings=None) -> K3Model:
+  """Initialises the model inside one jit (eager init would dispatch thousands of tiny ops)."""
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(params=seed))))
+  init = jax.jit(lambda: nnx.state(K3Model(m, rngs=nnx.Rngs(params=seed))), out_shardings=out_shardings)
+  compiler_options = _INIT_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+  state = init.lower().compile(compiler_options=compiler_options)()
+  return nnx.merge(graphdef, state)

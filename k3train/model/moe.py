@@ -1,0 +1,357 @@
+"""K3 Stable LatentMoE: sigmoid router with a Quantile-Balancing bias, latent routed experts.
+
+    s, idx, w = Router(x)                        full-width x, fp32 (k3-math §5.1)
+    x_ℓ       = x W_down                         d → ℓ before dispatch (§5.5)
+    r         = Σ_{i∈idx} w_i E_i(x_ℓ)           SiTU-GLU experts in width ℓ, sort + gmm, dropless
+    y         = RMSNorm(r) W_up + Shared(x)      "stable": norm before the up-projection
+
+Expert balance comes from the router bias b (`RouterBias`), which only chooses experts. It is not
+an `nnx.Param`, so neither `nnx.grad` nor the optimiser sees it. Each forward pass writes the
+bias that Quantile Balancing (§5.3) proposes for the next step into `QBPending`; the train step
+copies it into the bias with `qb_bias_update` (on split states) or `apply_quantile_balancing`
+(on a module).
+
+State paths (the convention `qb_bias_update` relies on), for a StableLatentMoE at module path P:
+
+    P/router/bias    RouterBias  [E]   (checkpoint name: e_score_correction_bias)
+    P/qb_pending     QBPending   [E]
+    P/expert_load    ExpertLoad  [E]
+
+Stacked (scanned) layers add a leading layer axis to all three; the update is elementwise, so
+it is the same for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3train.model import axes as ax
+from k3train.model.layers import GluMLP, Linear, RMSNorm, normal_init, param, situ_glu
+from pallas_kernels import moe as moe_ops
+
+
+# ----------------------------------------------------------------------------- variables
+
+
+class RouterBias(nnx.Variable):
+  """The QB expert bias b [E] fp32 (zeros at init). It only picks experts, top_k(s + b), and
+  never scales them. It gets no gradients; the train step sets it from `QBPending`."""
+
+
+class QBPending(nnx.Variable):
+  """[E] fp32: the bias QB proposes for the next step, computed from this forward's scores over
+  real tokens. It equals the current bias when QB is off, so applying it changes nothing then."""
+
+
+class ExpertLoad(nnx.Variable):
+  """[E] fp32: the number of real (non-padding) tokens routed to each expert in the last
+  forward. Used for metrics such as max/mean load."""
+
+
+def _expert_vector(kind: type[nnx.Variable], num_experts: int) -> nnx.Variable:
+  """A zero [E] fp32 variable of the given kind, with the logical axis "experts" attached."""
+  return kind(jnp.zeros((num_experts,), jnp.float32), out_sharding=(ax.EXPERTS,),
+              eager_sharding=False)
+
+
+# ----------------------------------------------------------------------------- router
+
+
+def route(scores_te: jax.Array, bias_e: jax.Array, top_k: int, *, renormalize: bool,
+          routed_scaling_factor: float) -> tuple[jax.Array, jax.Array]:
+  """Top-k on biased scores, weights from the unbiased scores (k3-math §5.1).
+
+  scores_te [T, E] fp32 sigmoid affinities → (weights_tk fp32, idx_tk int32). With
+  `renormalize` (and k > 1, as in DeepSeek-V3) the k weights are divided by their sum + 1e-20,
+  then all are multiplied by `routed_scaling_factor`. The bias reaches the output only through
+  the integer indices, so it gets no gradient; the stop_gradient makes that explicit.
+  """
+  biased_te = scores_te + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
+  _, idx_tk = jax.lax.top_k(biased_te, top_k)
+  weights_tk = jnp.take_along_axis(scores_te, idx_tk, axis=-1)
+  if renormalize and top_k > 1:
+    weights_tk = weights_tk / (jnp.sum(weights_tk, axis=-1, keepdims=True) + 1e-20)
+  return weights_tk * routed_scaling_factor, idx_tk.astype(jnp.int32)
+
+
+class Router(nnx.Module):
+  """K3 router: s = σ(x W_r) in fp32, idx = top_k(s + b), w = normalised s[idx] × scale.
+
+  The weight [d, E] has logical axes ("embed", "experts"). The bias is a `RouterBias`, not a
+  parameter.
+  """
+
+  def __init__(self, d_model: int, num_experts: int, top_k: int, *,
+               routed_scaling_factor: float = 1.0, renormalize: bool = True, std: float = 0.02,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if not 1 <= top_k <= num_experts:
+      raise ValueError(f"Router needs 1 <= top_k <= num_experts, got top_k={top_k}, "
+                       f"num_experts={num_experts}")
+    self.num_experts = num_experts
+    self.top_k = top_k
+    self.routed_scaling_factor = float(routed_scaling_factor)
+    self.renormalize = bool(renormalize)
+    self.weight = param(rngs, normal_init(std), (d_model, num_experts), (ax.EMBED, ax.EXPERTS),
+                        param_dtype)
+    self.bias = _expert_vector(RouterBias, num_experts)
+
+  def scores(self, x_td: jax.Array) -> jax.Array:
+    """scores_te = σ(x W_r) in fp32 (full-precision matmul: routing decisions are sensitive)."""
+    logits_te = jax.lax.dot_general(
+        x_td.astype(jnp.float32), self.weight.get_value().astype(jnp.float32),
+        (((x_td.ndim - 1,), (0,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return jax.nn.sigmoid(logits_te)
+
+  def __call__(self, x_td: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x_td [..., d] → (weights_tk fp32, idx_tk int32, scores_te fp32)."""
+    scores_te = self.scores(x_td)
+    weights_tk, idx_tk = route(scores_te, self.bias.get_value(), self.top_k,
+                               renormalize=self.renormalize,
+                               routed_scaling_factor=self.routed_scaling_factor)
+    return weights_tk, idx_tk, scores_te
+
+
+# ----------------------------------------------------------------------------- quantile balancing
+
+
+def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_t: jax.Array,
+                            top_k: int) -> jax.Array:
+  """One Quantile-Balancing step (k3-math §5.3), in sigmoid-score space, over real tokens.
+
+      α_t  = (k+1)-th largest over e of (s_te + b_e)     token cutoff with the current bias
+      μ_te = s_te − α_t                                  margin
+      β̂_e  = (q+1)-th largest over real t of μ_te,  q = ⌊m_real·k / E⌋ clamped to [0, m_real−1]
+      b_new = −β̂ − mean(−β̂)
+
+  m_real = number of tokens with token_mask_t true. It is dynamic, so the quantile is read by a
+  dynamic index into a descending sort over tokens in which padding tokens sit at −inf (last).
+  Adding a constant to s or to b gives the same result. With no real tokens the bias is returned
+  unchanged; with top_k == E every expert takes every token and the result is zeros.
+  The result is wrapped in stop_gradient.
+
+  The sort costs O(T·E log T) and, under data sharding, gathers every token's margins. For very
+  large or sharded batches, a later version replaces it with per-expert margin histograms that are summed across
+  micro-batches and data-parallel ranks with one all-reduce (the error is at most one bin width).
+  """
+  scores_te = jax.lax.stop_gradient(scores_te.astype(jnp.float32))
+  bias_e = jax.lax.stop_gradient(bias_e.astype(jnp.float32))
+  num_experts = scores_te.shape[-1]
+  if top_k >= num_experts:
+    return jnp.zeros_like(bias_e)
+  real_t = token_mask_t.reshape(scores_te.shape[0]).astype(bool)
+
+  cutoff_t = jax.lax.top_k(scores_te + bias_e, top_k + 1)[0][:, top_k]
+  margin_te = jnp.where(real_t[:, None], scores_te - cutoff_t[:, None], -jnp.inf)
+  margin_desc_te = -jnp.sort(-margin_te, axis=0)       # per expert, largest first; padding last
+
+  m_real = jnp.sum(real_t, dtype=jnp.int32)
+  q = jnp.clip((m_real * top_k) // num_experts, 0, jnp.maximum(m_real - 1, 0))
+  beta_e = jax.lax.dynamic_index_in_dim(margin_desc_te, q, axis=0, keepdims=False)
+  new_bias_e = -beta_e
+  new_bias_e = new_bias_e - jnp.mean(new_bias_e)
+  return jax.lax.stop_gradient(jnp.where(m_real > 0, new_bias_e, bias_e))
+
+
+def count_expert_load(idx_tk: jax.Array, token_mask_t: jax.Array, num_experts: int) -> jax.Array:
+  """load_e [E] fp32: (token, expert) pairs per expert, counting real tokens only."""
+  weight_tk = jnp.broadcast_to(token_mask_t.reshape(-1, 1).astype(jnp.float32), idx_tk.shape)
+  return jnp.bincount(idx_tk.reshape(-1), weights=weight_tk.reshape(-1),
+                      length=num_experts).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+class RoutedExperts(nnx.Module):
+  """E SiTU-GLU experts in the latent width ℓ, stored stacked, applied to expert-sorted rows.
+
+  gate/up [E, ℓ, F] with logical axes ("experts", "latent", "expert_mlp"); down [E, F, ℓ] with
+  ("experts", "expert_mlp", "latent"). Each of the three matmuls is one grouped matmul
+  (`pallas_kernels.moe.gmm`) over rows sorted by expert.
+  """
+
+  def __init__(self, num_experts: int, latent_dim: int, hidden: int, *, beta: float,
+               linear_beta: float | None, backend: str = "auto", std: float = 0.02,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    moe_ops.resolve_backend(backend)      # fail at construction on a bad name
+    self.beta = beta
+    self.linear_beta = linear_beta
+    self.backend = backend
+    self.dtype = dtype
+    init = normal_init(std)
+    in_axes = (ax.EXPERTS, ax.LATENT, ax.EXPERT_MLP)
+    self.gate = param(rngs, init, (num_experts, latent_dim, hidden), in_axes, param_dtype)
+    self.up = param(rngs, init, (num_experts, latent_dim, hidden), in_axes, param_dtype)
+    self.down = param(rngs, init, (num_experts, hidden, latent_dim),
+                      (ax.EXPERTS, ax.EXPERT_MLP, ax.LATENT), param_dtype)
+
+  def __call__(self, x_sorted_ml: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
+    """x_sorted_ml [M, ℓ] grouped by expert, group_sizes_e [E] → y_sorted_ml [M, ℓ] (dtype)."""
+    x_ml = x_sorted_ml.astype(self.dtype)
+    gate_mf = moe_ops.gmm(x_ml, self.gate.get_value().astype(self.dtype), group_sizes_e,
+                          backend=self.backend)
+    up_mf = moe_ops.gmm(x_ml, self.up.get_value().astype(self.dtype), group_sizes_e,
+                        backend=self.backend)
+    h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta)
+    return moe_ops.gmm(h_mf, self.down.get_value().astype(self.dtype), group_sizes_e,
+                       backend=self.backend)
+
+  def all_experts(self, x_nl: jax.Array) -> jax.Array:
+    """Dense: every expert on every token, x_nl [N, ℓ] → y_nel [N, E, ℓ]. For references.
+
+    The products are computed from fp32 copies of the inputs at full precision. This matches
+    low-precision inputs multiplied with fp32 accumulation (XLA:CPU has no batched bf16 dot that
+    outputs fp32). Results are rounded to `dtype` at the same points as in `__call__`.
+    """
+    hp = jax.lax.Precision.HIGHEST
+    f32 = lambda a: a.astype(self.dtype).astype(jnp.float32)
+    x_nl = f32(x_nl)
+    gate_nef = jnp.einsum("nl,elf->nef", x_nl, f32(self.gate.get_value()), precision=hp)
+    up_nef = jnp.einsum("nl,elf->nef", x_nl, f32(self.up.get_value()), precision=hp)
+    h_nef = situ_glu(gate_nef.astype(self.dtype), up_nef.astype(self.dtype), self.beta,
+                     self.linear_beta)
+    y_nel = jnp.einsum("nef,efl->nel", f32(h_nef), f32(self.down.get_value()), precision=hp)
+    return y_nel.astype(self.dtype)
+
+
+# ----------------------------------------------------------------------------- the MoE layer
+
+
+class StableLatentMoE(nnx.Module):
+  """K3 Stable LatentMoE layer (k3-math §5.5): a router on the full-width token, routed SiTU-GLU
+  experts in latent width ℓ with sort-based dropless dispatch, an RMSNorm on the combined latent,
+  an up-projection, and shared experts on the full-width input.
+
+  moe_cfg fields: num_experts, top_k, latent_dim, expert_hidden, num_shared_experts,
+  shared_hidden (all shared experts together, stored as one GluMLP), routed_scaling_factor,
+  renormalize, latent_norm, quantile_balancing, backend (a `pallas_kernels.moe` gmm backend).
+  All weights start as N(0, init_std), the norm gain as 1 and the bias as 0.
+  """
+
+  def __init__(self, moe_cfg: Any, *, d_model: int, init_std: float, norm_eps: float,
+               situ_beta: float, situ_linear_beta: float | None, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    num_experts = int(moe_cfg.num_experts)
+    latent = int(moe_cfg.latent_dim)
+    self.num_experts = num_experts
+    self.top_k = int(moe_cfg.top_k)
+    self.quantile_balancing = bool(moe_cfg.quantile_balancing)
+    self.dtype = dtype
+    lin = dict(std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    self.router = Router(d_model, num_experts, self.top_k,
+                         routed_scaling_factor=moe_cfg.routed_scaling_factor,
+                         renormalize=moe_cfg.renormalize, std=init_std,
+                         param_dtype=param_dtype, rngs=rngs)
+    self.down_proj = Linear((d_model,), (latent,), (ax.EMBED, ax.LATENT), **lin)
+    self.experts = RoutedExperts(num_experts, latent, int(moe_cfg.expert_hidden),
+                                 beta=situ_beta, linear_beta=situ_linear_beta,
+                                 backend=moe_cfg.backend, **lin)
+    self.latent_norm = (RMSNorm(latent, eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
+                        if moe_cfg.latent_norm else None)
+    self.up_proj = Linear((latent,), (d_model,), (ax.LATENT, ax.EMBED), **lin)
+    self.shared = (GluMLP(d_model, int(moe_cfg.shared_hidden), beta=situ_beta,
+                          linear_beta=situ_linear_beta, **lin)
+                   if int(moe_cfg.num_shared_experts) > 0 else None)
+    self.qb_pending = _expert_vector(QBPending, num_experts)
+    self.expert_load = _expert_vector(ExpertLoad, num_experts)
+
+  def _record_routing_stats(self, scores_te: jax.Array, idx_tk: jax.Array,
+                            real_t: jax.Array) -> None:
+    """Write expert_load and qb_pending from this forward's routing, over real tokens only."""
+    self.expert_load.set_value(
+        jax.lax.stop_gradient(count_expert_load(idx_tk, real_t, self.num_experts)))
+    bias_e = self.router.bias.get_value()
+    if self.quantile_balancing:
+      pending_e = quantile_balancing_bias(scores_te, bias_e, real_t, self.top_k)
+    else:
+      pending_e = bias_e
+    self.qb_pending.set_value(jax.lax.stop_gradient(pending_e.astype(jnp.float32)))
+
+  def _finish(self, r_nl: jax.Array, x_btd: jax.Array) -> jax.Array:
+    """Latent combine result r_nl [N, ℓ] → y_btd: norm, up-projection, + shared experts."""
+    if self.latent_norm is not None:
+      r_nl = self.latent_norm(r_nl)
+    y_btd = self.up_proj(r_nl).reshape(x_btd.shape)
+    if self.shared is not None:
+      y_btd = y_btd + self.shared(x_btd)
+    return y_btd.astype(self.dtype)
+
+  def __call__(self, x_btd: jax.Array, token_mask_bt: jax.Array | None = None) -> jax.Array:
+    """x_btd [B, T, d], token_mask_bt [B, T] (true = real token; None = all real) → y_btd.
+
+    Padding tokens are still routed and computed (the layer is dropless and shape-static). They
+    are left out of expert_load and qb_pending.
+    """
+    b, t, d = x_btd.shape
+    x_nd = x_btd.reshape(b * t, d)
+    real_n = (jnp.ones((b * t,), bool) if token_mask_bt is None
+              else token_mask_bt.reshape(b * t).astype(bool))
+
+    weights_nk, idx_nk, scores_ne = self.router(x_nd)
+    self._record_routing_stats(scores_ne, idx_nk, real_n)
+
+    x_nl = self.down_proj(x_nd)
+    x_sorted_pl, group_sizes_e, perm_p = moe_ops.dispatch(x_nl, idx_nk, self.num_experts)
+    y_sorted_pl = self.experts(x_sorted_pl, group_sizes_e)
+    r_nl = moe_ops.combine(y_sorted_pl, weights_nk, perm_p)
+    return self._finish(r_nl, x_btd)
+
+
+def moe_dense_reference(moe: StableLatentMoE, x_btd: jax.Array) -> jax.Array:
+  """The layer's output computed densely, for tests: r = Σ_e mask_e w_e E_e(x_ℓ) with every
+  expert run on every token (mask_e = 1 iff e was selected). Uses moe's parameters and current
+  bias. It does not write qb_pending or expert_load."""
+  b, t, d = x_btd.shape
+  x_nd = x_btd.reshape(b * t, d)
+  weights_nk, idx_nk, _ = moe.router(x_nd)
+  # gate_ne = w_e where e is among the token's selected experts, 0 elsewhere.
+  gate_ne = jnp.sum(jax.nn.one_hot(idx_nk, moe.num_experts, dtype=jnp.float32)
+                    * weights_nk[:, :, None], axis=1)
+  y_nel = moe.experts.all_experts(moe.down_proj(x_nd))
+  r_nl = jnp.einsum("ne,nel->nl", gate_ne, y_nel.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST).astype(y_nel.dtype)
+  return moe._finish(r_nl, x_btd)
+
+
+# ----------------------------------------------------------------------------- applying QB
+
+
+def qb_bias_update(rest_state: nnx.State) -> nnx.State:
+  """Return a copy of `rest_state` in which each RouterBias holds its layer's QBPending value.
+
+  Pure and jit-friendly: only the pytree structure is inspected. For every QBPending leaf at path
+  P + (name,), the RouterBias at P + ("router", "bias") is replaced (see the module docstring).
+  Works the same for stacked/scanned layers, whose leaves carry a leading layer axis. Other
+  leaves are passed through unchanged. It raises KeyError if a QBPending has no RouterBias at the
+  expected path, so a state split without the biases fails loudly instead of silently doing
+  nothing. With gradient accumulation, call it once per optimiser step, after averaging the
+  micro-batches' QBPending values (as Megatron averages β̂) or after the last micro-batch.
+  """
+  flat = list(nnx.to_flat_state(rest_state))
+  by_path = dict(flat)
+  new_bias: dict[tuple, nnx.Variable] = {}
+  for path, var in flat:
+    if not isinstance(var, QBPending):
+      continue
+    bias_path = tuple(path[:-1]) + ("router", "bias")
+    target = by_path.get(bias_path)
+    if not isinstance(target, RouterBias):
+      raise KeyError(f"qb_bias_update: QBPending at {path} has no RouterBias at {bias_path}")
+    pending = var.get_value()
+    bias = target.get_value()
+    if pending.shape != bias.shape:
+      raise ValueError(f"qb_bias_update: QBPending {pending.shape} vs RouterBias {bias.shape} "
+                       f"at {bias_path}")
+    new_bias[bias_path] = target.replace(pending.astype(bias.dtype))
+  return nnx.from_flat_state([(p, new_bias.get(tuple(p), v)) for p, v in flat])
+
+
+def apply_quantile_balancing(model: nnx.Module) -> None:
+  """In place: set every StableLatentMoE's router bias (stacked ones included) to its qb_pending."""
+  nnx.update(model, qb_bias_update(nnx.state(model, nnx.Any(RouterBias, QBPending))))

@@ -1,0 +1,176 @@
+"""The training loop: build or restore state, run jitted steps, log, checkpoint, stop cleanly.
+
+The loop never waits on the step it just dispatched: metrics are read one step late. A NaN/Inf
+loss stops the run (naming the step) before anything is checkpointed from it; SIGTERM saves a
+checkpoint and exits; re-running with the same workdir resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from k3train import config as config_lib
+from k3train.data import pipeline
+from k3train.model.decoder import build_model
+from k3train.optim.optimizer import make_optimizer
+from k3train.tools.count_params import count
+from k3train.train import metrics as metrics_lib
+from k3train.train.checkpoint import Checkpointer
+from k3train.train.step import init_state, make_train_step
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss became NaN or Inf."""
+
+
+@dataclass
+class RunResult:
+  start_step: int
+  end_step: int
+  stopped_by_signal: bool = False
+  losses: dict[int, float] = field(default_factory=dict)
+
+
+class _StopFlag:
+  """Turns SIGTERM (and SIGINT) into a flag the loop checks between steps."""
+
+  def __init__(self):
+    self.signum = None
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: no handlers, no graceful stop
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+class _closing:
+  """Waits for in-flight async checkpoint writes however the loop ends."""
+
+  def __init__(self, ckpt: Checkpointer):
+    self.ckpt = ckpt
+
+  def __enter__(self):
+    return self.ckpt
+
+  def __exit__(self, *exc):
+    self.ckpt.close()
+
+
+def _log(msg: str) -> None:
+  print(msg, flush=True)
+
+
+def _check_finite(step: int, host_metrics: dict) -> None:
+  loss = host_metrics["loss"]
+  if not math.isfinite(loss):
+    raise NonFiniteLossError(
+        f"loss is {loss} at step {step} (grad_norm {host_metrics.get('grad_norm')}); stopping. "
+        "Nothing from this step was checkpointed; lower train.learning_rate or check the data, "
+        "then resume from the last checkpoint in the workdir.")
+
+
+def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | None = None) -> RunResult:
+  """Trains to `cfg.train.steps` (or `stop_at_step`, to simulate an interruption)."""
+  config_lib.validate(cfg)
+  os.makedirs(workdir, exist_ok=True)
+  t = cfg.train
+  process_count, process_index = jax.process_count(), jax.process_index()
+  if t.global_batch_size % process_count:
+    raise config_lib.ConfigError(
+        f"train.global_batch_size={t.global_batch_size} must be divisible by the {process_count} processes")
+
+  counts = count(cfg)
+  flops_per_token = metrics_lib.train_flops_per_token(
+      cfg, counts["active_params"], counts["components"].get("embedding", {}).get("params", 0),
+      cfg.data.seq_len)
+  _log(f"model: {counts['total_params']:,} parameters, {counts['active_params']:,} active per token; "
+       f"{flops_per_token:.3g} training FLOPs per token")
+
+  model = build_model(cfg.model, seed=t.seed)
+  optimizer = make_optimizer(t)
+  graphdef, state = init_state(model, optimizer)
+  del model
+  data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size // process_count,
+                                     seed=t.seed, process_index=process_index, process_count=process_count)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg)
+  start = ckpt.latest_step() or 0
+  if start:
+    state, data_state = ckpt.restore(start, state)
+    data.set_state(data_state)
+    _log(f"resumed from {ckpt.directory} at step {start}")
+
+  train_step = jax.jit(make_train_step(graphdef, optimizer), donate_argnums=0)
+  end = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
+  result = RunResult(start_step=start, end_step=start)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  tokens_per_step = t.global_batch_size * cfg.data.seq_len
+  last_saved = start
+
+  def record(step: int, device_metrics, pad_fraction: float, fh) -> dict:
+    host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    host["padding_fraction"] = pad_fraction
+    _check_finite(step, host)
+    result.losses[step] = host["loss"]
+    fh.write(json.dumps({"step": step, **host}) + "\n")
+    return host
+
+  with _StopFlag() as stop, open(metrics_path, "a") as fh, _closing(ckpt):
+    pending = None   # (step, device metrics, padding fraction) of the step in flight
+    window_start, window_steps = time.perf_counter(), 0
+    step = start
+    while step < end:
+      if stop.signum is not None:
+        result.stopped_by_signal = True
+        _log(f"received signal {stop.signum}: saving a checkpoint at step {step} and exiting")
+        break
+      batch = next(data)
+      pad_fraction = pipeline.padding_fraction(batch)
+      state, step_metrics = train_step(state, batch)
+      if pending is not None:
+        host = record(*pending, fh)
+        if pending[0] % t.log_every == 0 or pending[0] == start + 1:
+          elapsed = time.perf_counter() - window_start
+          tps = window_steps * tokens_per_step / elapsed if elapsed > 0 and window_steps else float("nan")
+          eta = (end - pending[0]) * tokens_per_step / tps if tps == tps and tps > 0 else float("nan")
+          mfu = metrics_lib.mfu(tps, flops_per_token, t.peak_flops_per_device, jax.device_count())
+          extra = "".join(f" | {k} {host[k]:.3g}" for k in ("moe_max_load", "mla_max_logit") if k in host)
+          _log(f"step {pending[0]}/{end} | loss {host['loss']:.4f} | grad_norm {host['grad_norm']:.3g} | "
+               f"tok/s {tps:,.0f} | MFU {100 * mfu:.2f}% | ETA {metrics_lib.format_eta(eta)}{extra}")
+          window_start, window_steps = time.perf_counter(), 0
+      pending = (step + 1, step_metrics, pad_fraction)
+      window_steps += 1
+      step += 1
+      if step % cfg.checkpoint.every_steps == 0 and step < end:
+        record(*pending, fh)   # never checkpoint a non-finite state
+        pending = None
+        ckpt.save(step, state, data.get_state())
+        last_saved = step
+    if pending is not None:
+      record(*pending, fh)
+    if step != last_saved:
+      ckpt.save(step, state, data.get_state(), force=True)
+  result.end_step = step
+  _log(f"done at step {step}; checkpoints in {ckpt.directory}")
+  return result

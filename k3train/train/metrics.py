@@ -1,0 +1,45 @@
+"""Training FLOPs per token (explicit formula), MFU and a small progress formatter.
+
+Forward FLOPs per token =
+    2 · (active matmul parameters, i.e. active params minus the embedding table)
+  + Σ_MLA layers  H · (d_nope + d_rope + d_v) · T                 (causal QKᵀ and PV: 2·H·(dqk+dv)·T/2)
+  + Σ_KDA layers  H · (6·K·V + 3·C·K + 2·C·V)                      (chunked WY form, chunk C:
+        A_kk and A_qk 2CK, W and U C(K+V), W·S₀ + Q·S₀ + state update 6KV, A_qk·Δ CV)
+Training FLOPs per token = 3 × forward (backward = 2 × forward). Packing only lowers the true
+attention cost, so this is an upper bound for packed batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+from k3train import config as config_lib
+
+
+def forward_flops_per_token(cfg: ml_collections.ConfigDict, active_params: int, embedding_params: int,
+                            seq_len: int) -> float:
+  m = cfg.model
+  sched = config_lib.layer_schedule(m)
+  a, k = m.mla, m.kda
+  mla = a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * seq_len
+  c = min(k.chunk_size, seq_len)
+  kda = k.num_heads * (6 * k.head_dim * k.head_dim + 3 * c * k.head_dim + 2 * c * k.head_dim)
+  return 2.0 * (active_params - embedding_params) + sched.num_mla * mla + sched.num_kda * kda
+
+
+def train_flops_per_token(cfg, active_params: int, embedding_params: int, seq_len: int) -> float:
+  return 3.0 * forward_flops_per_token(cfg, active_params, embedding_params, seq_len)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: float, num_devices: int) -> float:
+  return tokens_per_s * flops_per_token / (peak_flops_per_device * num_devices)
+
+
+def format_eta(seconds: float) -> str:
+  if not math.isfinite(seconds) or seconds < 0:
+    return "?"
+  h, rem = divmod(int(seconds), 3600)
+  mnt, s = divmod(rem, 60)
+  return f"{h}h{mnt:02d}m{s:02d}s" if h else f"{mnt}m{s:02d}s"

@@ -1,0 +1,90 @@
+"""Public MoE ops: grouped matmul with a backend switch, and sort-based dispatch / combine.
+
+Token routing in k3train is dropless: the T·k (token, expert) pairs are sorted by expert so every
+expert's rows are contiguous, the experts run as one grouped matmul over the sorted rows, and the
+results are un-sorted and summed per token with the routing weights (k3-math §5.5). Later issues
+add Pallas GPU/TPU gmm kernels and expert-parallel dispatch behind these same signatures.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe.ragged import gmm_ragged_dot
+from pallas_kernels.moe.reference import gmm_reference
+
+_GMM_IMPLS = {
+    "reference": gmm_reference,
+    "ragged_dot": gmm_ragged_dot,
+}
+BACKENDS = ("auto",) + tuple(_GMM_IMPLS)
+
+
+def resolve_backend(backend: str) -> str:
+  """Map a backend name to a concrete implementation name ("auto" → "ragged_dot")."""
+  if backend == "auto":
+    return "ragged_dot"
+  if backend not in _GMM_IMPLS:
+    raise ValueError(f"unknown gmm backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+  return backend
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+        backend: str = "auto") -> jax.Array:
+  """Grouped matmul with `jax.lax.ragged_dot` semantics.
+
+  lhs [M, K], rhs [G, K, N], group_sizes [G] int → out [M, N]: rows are grouped contiguously in
+  group order, row r of group g gives lhs[r] · rhs[g]; empty groups are allowed; rows at or past
+  sum(group_sizes) give zeros. Accumulates in fp32 and returns the promoted input dtype.
+  Backends: "reference" (dense one-hot, readable, O(M·G·K·N)), "ragged_dot", "auto".
+  """
+  impl = _GMM_IMPLS[resolve_backend(backend)]
+  if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+    raise ValueError(f"gmm expects lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
+                     f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}")
+  if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
+    raise ValueError(f"gmm shape mismatch: lhs {lhs.shape}, rhs {rhs.shape}, "
+                     f"group_sizes {group_sizes.shape}")
+  return impl(lhs, rhs, group_sizes)
+
+
+def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Sort the (token, expert) pairs by expert and gather the token rows into that order.
+
+  x [T, D], expert_idx [T, k] int → (x_sorted [T·k, D], group_sizes [E] int32, perm [T·k] int32).
+  Pair p = t·k + j is (token t, its j-th expert); perm lists pair ids in expert order (stable, so
+  within one expert tokens keep their order) and x_sorted[i] = x[perm[i] // k]. Dropless: every
+  pair gets a row, group_sizes[e] = #pairs routed to e. Gradient wrt x is the autodiff of the
+  gather (a segment sum of the row cotangents back onto tokens).
+  """
+  num_tokens, top_k = expert_idx.shape
+  if x.shape[0] != num_tokens:
+    raise ValueError(f"dispatch: x has {x.shape[0]} tokens, expert_idx {num_tokens}")
+  expert_p = expert_idx.reshape(num_tokens * top_k).astype(jnp.int32)
+  perm_p = jnp.argsort(expert_p, stable=True).astype(jnp.int32)
+  x_sorted_pd = jnp.take(x, perm_p // top_k, axis=0)
+  group_sizes_e = jnp.bincount(expert_p, length=num_experts).astype(jnp.int32)
+  return x_sorted_pd, group_sizes_e, perm_p
+
+
+def combine(y_sorted: jax.Array, weights: jax.Array, perm: jax.Array) -> jax.Array:
+  """Inverse of `dispatch`: un-sort expert outputs and sum each token's k weighted results.
+
+  y_sorted [T·k, D] (row i belongs to pair perm[i]), weights [T, k], perm [T·k] → y [T, D] with
+  y[t] = Σ_j weights[t, j] · y_sorted[row of pair (t, j)]. The weights are applied in fp32 to each
+  expert output and the k products are summed in fp32 in a fixed order (deterministic, no
+  scatter-add), then cast to y_sorted's dtype (k3-math §5.1 numerics note).
+  """
+  num_tokens, top_k = weights.shape
+  num_pairs = num_tokens * top_k
+  if y_sorted.shape[0] != num_pairs or perm.shape != (num_pairs,):
+    raise ValueError(f"combine: y_sorted {y_sorted.shape}, weights {weights.shape} and perm "
+                     f"{perm.shape} disagree on T·k = {num_pairs}")
+  # inv_p[p] = sorted row holding pair p (a permutation's inverse, by an index scatter; no sort).
+  inv_p = jnp.zeros((num_pairs,), jnp.int32).at[perm].set(
+      jnp.arange(num_pairs, dtype=jnp.int32), unique_indices=True)
+  y_tkd = jnp.take(y_sorted, inv_p, axis=0, unique_indices=True).reshape(num_tokens, top_k, -1)
+  y_td = jnp.sum(y_tkd.astype(jnp.float32) * weights.astype(jnp.float32)[:, :, None], axis=1)
+  return y_td.astype(y_sorted.dtype)

@@ -1,0 +1,205 @@
+"""pallas_kernels.moe: gmm backends agree (values and gradients), dispatch/combine are exact."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import moe as moe_ops
+
+M, K, N = 12, 8, 6
+
+# (group sizes, what the case covers)
+GROUP_CASES = [
+    ([3, 0, 5, 4], "mixed with an empty group"),
+    ([0, 0, 12, 0], "one group holds every row"),
+    ([2, 0, 3, 0], "rows past sum(group_sizes)"),
+    ([0, 0, 0, 0], "all groups empty"),
+    ([1, 1, 1, 9], "singletons then a big group"),
+]
+
+
+def normal(shape, seed):
+  """Test inputs from numpy (no XLA compile per shape)."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _operands(dtype=jnp.float32, seed=0):
+  return normal((M, K), seed).astype(dtype), normal((4, K, N), seed + 100).astype(dtype)
+
+
+# Tests call the ops through jit: one compile per case instead of one per eager primitive.
+gmm = jax.jit(moe_ops.gmm, static_argnames=("backend",))
+
+
+def _loop_gmm(lhs_mk, rhs_gkn, group_sizes):
+  """Ground truth by a plain numpy loop over rows, in float64."""
+  lhs, rhs = np.asarray(lhs_mk, np.float64), np.asarray(rhs_gkn, np.float64)
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  row = 0
+  for g, size in enumerate(group_sizes):
+    for r in range(row, row + size):
+      out[r] = lhs[r] @ rhs[g]
+    row += size
+  return out
+
+
+@pytest.mark.parametrize("sizes,_why", GROUP_CASES)
+def test_gmm_fp32_backends_agree(sizes, _why):
+  lhs, rhs = _operands()
+  gs = jnp.asarray(sizes, jnp.int32)
+  ref = gmm(lhs, rhs, gs, backend="reference")
+  rag = gmm(lhs, rhs, gs, backend="ragged_dot")
+  auto = moe_ops.gmm(lhs, rhs, gs)
+  assert ref.dtype == rag.dtype == jnp.float32
+  np.testing.assert_allclose(ref, rag, atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(auto, rag)
+  np.testing.assert_allclose(ref, _loop_gmm(lhs, rhs, sizes), atol=1e-5, rtol=1e-5)
+  # Rows at or past sum(group_sizes) are exactly zero in both backends.
+  used = sum(sizes)
+  np.testing.assert_array_equal(ref[used:], 0.0)
+  np.testing.assert_array_equal(rag[used:], 0.0)
+
+
+@pytest.mark.parametrize("sizes,_why", GROUP_CASES)
+def test_gmm_bf16_backends_agree(sizes, _why):
+  """bf16 inputs, fp32 accumulation in both backends: they may differ by the final bf16 rounding
+  only, so the stated tolerance is atol = rtol = 1e-2 (one bf16 ulp is 2^-8 relative)."""
+  lhs, rhs = _operands(jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  ref = gmm(lhs, rhs, gs, backend="reference")
+  rag = gmm(lhs, rhs, gs, backend="ragged_dot")
+  assert ref.dtype == rag.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(rag, np.float32),
+                             atol=1e-2, rtol=1e-2)
+  np.testing.assert_allclose(np.asarray(rag, np.float32), _loop_gmm(lhs, rhs, sizes),
+                             atol=3e-2, rtol=1e-2)
+  np.testing.assert_array_equal(np.asarray(rag[sum(sizes):], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("sizes,_why", GROUP_CASES)
+def test_gmm_gradients_agree(sizes, _why):
+  lhs, rhs = _operands(seed=1)
+  gs = jnp.asarray(sizes, jnp.int32)
+  ct_mn = normal((M, N), 7)
+
+  def grads(backend):
+    loss = lambda a, b: jnp.sum(moe_ops.gmm(a, b, gs, backend=backend) * ct_mn)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+
+  dl_ref, dr_ref = grads("reference")
+  dl_rag, dr_rag = grads("ragged_dot")
+  np.testing.assert_allclose(dl_ref, dl_rag, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(dr_ref, dr_rag, atol=1e-5, rtol=1e-5)
+  # Rows in no group get no gradient; empty groups' matrices get no gradient.
+  np.testing.assert_array_equal(dl_rag[sum(sizes):], 0.0)
+  for g, size in enumerate(sizes):
+    if size == 0:
+      np.testing.assert_array_equal(dr_rag[g], 0.0)
+
+
+def test_gmm_jit_with_traced_group_sizes():
+  lhs, rhs = _operands()
+  f = jax.jit(lambda a, b, g: moe_ops.gmm(a, b, g, backend="ragged_dot"))
+  for sizes, _ in GROUP_CASES:
+    gs = jnp.asarray(sizes, jnp.int32)
+    np.testing.assert_allclose(f(lhs, rhs, gs), _loop_gmm(lhs, rhs, sizes), atol=1e-5)
+
+
+def test_gmm_unknown_backend_names_allowed_ones():
+  lhs, rhs = _operands()
+  with pytest.raises(ValueError, match="reference.*ragged_dot"):
+    moe_ops.gmm(lhs, rhs, jnp.asarray([3, 3, 3, 3]), backend="pallas_tpu_v9")
+
+
+def test_gmm_shape_errors():
+  lhs, rhs = _operands()
+  with pytest.raises(ValueError):
+    moe_ops.gmm(lhs, rhs[:, :4], jnp.asarray([3, 3, 3, 3]))
+  with pytest.raises(ValueError):
+    moe_ops.gmm(lhs, rhs, jnp.asarray([3, 3, 6]))
+
+
+# ----------------------------------------------------------------------------- dispatch / combine
+
+T, D, E, TOPK = 10, 5, 4, 2
+
+
+def _routing(seed=0):
+  rng = np.random.default_rng(seed)
+  x_td = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+  idx_tk = np.argsort(rng.standard_normal((T, E)), axis=1)[:, :TOPK]     # k distinct experts
+  w_tk = jnp.asarray(rng.uniform(0.1, 1.0, (T, TOPK)), jnp.float32)
+  return x_td, jnp.asarray(idx_tk, jnp.int32), w_tk
+
+
+def test_dispatch_layout():
+  x, idx, _ = _routing()
+  x_sorted, gs, perm = moe_ops.dispatch(x, idx, E)
+  assert x_sorted.shape == (T * TOPK, D) and gs.dtype == jnp.int32 and perm.dtype == jnp.int32
+  np.testing.assert_array_equal(gs, np.bincount(np.asarray(idx).ravel(), minlength=E))
+  np.testing.assert_array_equal(np.sort(perm), np.arange(T * TOPK))        # a permutation
+  expert_sorted = np.asarray(idx).ravel()[np.asarray(perm)]
+  assert np.all(np.diff(expert_sorted) >= 0)                               # grouped by expert
+  for e in range(E):                                                       # stable within expert
+    assert np.all(np.diff(np.asarray(perm)[expert_sorted == e]) > 0)
+  np.testing.assert_array_equal(x_sorted, np.asarray(x)[np.asarray(perm) // TOPK])
+
+
+def _sorted_expert_ids(group_sizes_e):
+  return jnp.repeat(jnp.arange(E), group_sizes_e, total_repeat_length=T * TOPK)
+
+
+def _sorted_moe(x, w, idx):
+  """dispatch → expert e multiplies by (e + 1) → combine."""
+  x_sorted, gs, perm = moe_ops.dispatch(x, idx, E)
+  scale_p = (_sorted_expert_ids(gs) + 1).astype(x.dtype)
+  return moe_ops.combine(x_sorted * scale_p[:, None], w, perm)
+
+
+def _dense_moe(x, w, idx):
+  return jnp.sum(w[:, :, None] * (idx[:, :, None] + 1.0) * x[:, None, :], axis=1)
+
+
+def test_dispatch_combine_identity_experts():
+  x, idx, w = _routing()
+
+  @jax.jit
+  def identity_moe(x_td, w_tk, idx_tk):
+    x_sorted, _, perm = moe_ops.dispatch(x_td, idx_tk, E)
+    return moe_ops.combine(x_sorted, w_tk, perm)
+
+  y = identity_moe(x, w, idx)
+  np.testing.assert_allclose(y, jnp.sum(w, axis=1, keepdims=True) * x, atol=1e-6, rtol=1e-6)
+
+
+def test_dispatch_combine_per_expert_op_matches_dense():
+  x, idx, w = _routing(seed=3)
+  np.testing.assert_allclose(jax.jit(_sorted_moe)(x, w, idx), _dense_moe(x, w, idx),
+                             atol=1e-6, rtol=1e-6)
+  # Also under jit and with duplicate experts per token (dispatch makes no top-k assumption).
+  idx_dup = idx.at[:, 1].set(idx[:, 0])
+  np.testing.assert_allclose(jax.jit(_sorted_moe)(x, w, idx_dup), _dense_moe(x, w, idx_dup),
+                             atol=1e-6, rtol=1e-6)
+
+
+def test_dispatch_combine_gradients():
+  x, idx, w = _routing(seed=5)
+  ct = normal((T, D), 9)
+  g_sorted = jax.jit(jax.grad(lambda a, b: jnp.sum(_sorted_moe(a, b, idx) * ct),
+                              argnums=(0, 1)))(x, w)
+  g_dense = jax.jit(jax.grad(lambda a, b: jnp.sum(_dense_moe(a, b, idx) * ct),
+                             argnums=(0, 1)))(x, w)
+  for gs_, gd_ in zip(g_sorted, g_dense):
+    np.testing.assert_allclose(gs_, gd_, atol=1e-5, rtol=1e-5)
+
+
+def test_combine_weights_in_fp32_output_in_input_dtype():
+  x, idx, w = _routing()
+  x_sorted, _, perm = moe_ops.dispatch(x.astype(jnp.bfloat16), idx, E)
+  y = moe_ops.combine(x_sorted, w, perm)
+  assert y.dtype == jnp.bfloat16
+  want = jnp.sum(w, axis=1, keepdims=True) * x.astype(jnp.bfloat16).astype(jnp.float32)
+  np.testing.assert_allclose(np.asarray(y, np.float32), want, atol=2e-2, rtol=1e-2)
