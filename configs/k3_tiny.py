@@ -38,7 +38,7 @@ def get_config():
 
   c.data.seq_len = 128
 
-  c.train.global_batch_size = 8
+  c.train.global_batch_size = 4
   c.train.steps = 200
   c.train.learning_rate = 3e-3
   c.train.warmup_steps = 10

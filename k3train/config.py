@@ -85,6 +85,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(m.norm_eps > 0, "model.norm_eps", "must be > 0")
 
   layers = tuple(m.mla_layers)
+  not_int = [i for i in layers if not isinstance(i, int) or isinstance(i, bool)]
+  _require(not not_int, "model.mla_layers", f"entries must be integer layer numbers; got {not_int}")
   bad = [i for i in layers if not 1 <= i <= m.num_layers]
   _require(not bad, "model.mla_layers",
            f"1-indexed layer numbers must lie in [1, {m.num_layers}] (model.num_layers); got {bad}")

@@ -8,12 +8,26 @@ Re-running with the same --workdir resumes from its latest checkpoint.
 
 from __future__ import annotations
 
+import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from k3train import config as config_lib
+
+_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "k3train", "xla"),
+    "Persistent XLA compilation cache (resumes and repeated runs skip compilation); '' disables it")
+
+
+def enable_compilation_cache(path: str) -> None:
+  """Caches compiled executables on disk so a resumed run does not compile the step again."""
+  if not path:
+    return
+  import jax
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file, e.g. configs/k3_tiny.py",
                                           lock_config=True)
@@ -32,6 +46,8 @@ def main(argv) -> int:
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  enable_compilation_cache(_CACHE_DIR.value)
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   from k3train.train import loop  # heavy imports after flag parsing
   try:
     loop.train(cfg, _WORKDIR.value, stop_at_step=_STOP_AT.value)

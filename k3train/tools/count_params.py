@@ -63,7 +63,7 @@ def _classify(model, path, leaf) -> str:
       return "dense_ffn"
     if isinstance(node, layers.Embed):
       return "embedding"
-  return "lm_head" if str(path[0]) == "lm_head" else "final_norm"
+  return "lm_head" if str(path[0]) == "lm_head" else "norms"  # pre-sublayer and final RMSNorm gains
 
 
 def main(argv=None) -> int:

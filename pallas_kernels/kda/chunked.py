@@ -1,7 +1,7 @@
 """Chunkwise-parallel KDA in plain jnp (k3-math §1.4, WY/UT form): the fast path that runs anywhere.
 
-All intra-chunk quantities (decay-weighted scores, the WY solve) are computed for every chunk at once;
-only the state hand-off between chunks is a `lax.scan`. Inputs are canonical (see `op.py`): q already
+All intra-chunk quantities (decay-weighted scores, the WY solve) are computed for every chunk at once
+in 16-token sub-chunks; only the state hand-off between chunks is a `lax.scan` (body rematerialised). Inputs are canonical (see `op.py`): q already
 scaled, one float dtype, T a multiple of the chunk size, segment changes given as reset flags.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 SUB_CHUNK = 16
@@ -69,6 +68,48 @@ def decay_scores(gam_ck: jax.Array, k_ck: jax.Array, rows: tuple[jax.Array, ...]
   return scores
 
 
+def _unit_lower_inverse(n_bb: jax.Array) -> jax.Array:
+  """(I + N)⁻¹ for strictly lower-triangular N [..., b, b] by row-wise forward substitution.
+
+  Row r of the inverse is e_r − N[r, :] · inv: N[r, s ≥ r] = 0, so only finished rows contribute.
+  """
+  b = n_bb.shape[-1]
+  eye_bb = jnp.eye(b, dtype=n_bb.dtype)
+
+  def next_row(r, inv_bb):
+    n_row_b = jax.lax.dynamic_index_in_dim(n_bb, r, axis=-2, keepdims=False)
+    row_b = eye_bb[r] - jnp.einsum("...s,...sk->...k", n_row_b, inv_bb, precision=_HIGHEST)
+    return jax.lax.dynamic_update_index_in_dim(inv_bb, row_b, r, axis=-2)
+
+  return jax.lax.fori_loop(1, b, next_row, jnp.broadcast_to(eye_bb, n_bb.shape))
+
+
+def solve_unit_lower(n_cc: jax.Array, rhs_cd: jax.Array, block: int) -> jax.Array:
+  """X with (I + N) X = rhs for strictly lower-triangular N [..., C, C]: blocked forward substitution.
+
+  Diagonal block×block blocks are inverted all at once, then block rows are solved in order with
+  matmuls (X_i = D_i⁻¹ (rhs_i − N[i, :i] X[:i])). Plain dots only: no LAPACK custom call, whose
+  batched CPU version (jaxlib 0.10.2) deadlocks when several run concurrently on a small pool.
+  """
+  *batch, c, _ = n_cc.shape
+  m = c // block
+  # Diagonal blocks [..., m, block, block] of N.
+  n_mbmb = n_cc.reshape(*batch, m, block, m, block)
+  n_diag_mbb = jnp.moveaxis(jnp.diagonal(n_mbmb, axis1=-4, axis2=-2), -1, -3)
+  d_inv_mbb = _unit_lower_inverse(n_diag_mbb)
+  x_blocks = []
+  for i in range(m):
+    rows = slice(i * block, (i + 1) * block)
+    acc_bd = rhs_cd[..., rows, :]
+    if i:
+      x_done_id = jnp.concatenate(x_blocks, axis=-2)
+      acc_bd = acc_bd - jnp.einsum("...rs,...sd->...rd", n_cc[..., rows, :i * block], x_done_id,
+                                   precision=_HIGHEST)
+    x_blocks.append(jnp.einsum("...rs,...sd->...rd", d_inv_mbb[..., i, :, :], acc_bd,
+                               precision=_HIGHEST))
+  return jnp.concatenate(x_blocks, axis=-2)
+
+
 def _segment_masks(reset_bt: jax.Array, chunk: int):
   """Per-chunk segment bookkeeping from reset flags (a reset at position 0 is vs the previous chunk).
 
@@ -113,9 +154,8 @@ def kda_chunked(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, g_bthk:
   k_s0_nbhck = jnp.where(sees_s0_nb1c1, k_nbhck * decay_nbhck, 0.0)
 
   # WY form: (I + Diag(β) A_kk) [W | U] = Diag(β) [e^Γ⊙K | V], a unit-lower-triangular solve.
-  lower_nbhcc = jnp.eye(chunk, dtype=a_kk_nbhcc.dtype) + beta_nbhc[..., :, None] * a_kk_nbhcc
   rhs_nbhc_ = beta_nbhc[..., None] * jnp.concatenate([k_s0_nbhck, v_nbhcv], axis=-1)
-  wu_nbhc_ = solve_triangular(lower_nbhcc, rhs_nbhc_, lower=True, unit_diagonal=True)
+  wu_nbhc_ = solve_unit_lower(beta_nbhc[..., :, None] * a_kk_nbhcc, rhs_nbhc_, sub)
   w_nbhck, u_nbhcv = wu_nbhc_[..., :dk], wu_nbhc_[..., dk:]
 
   # State hand-off: only the chunk's last segment writes S_next; S₀ survives only without a reset.

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import kda, kda_decode_step
+from pallas_kernels.kda.chunked import solve_unit_lower
 
 SMALL = dict(b=2, t=100, h=2, dk=16, dv=8)       # fp64; T is not a multiple of any chunk size
 LARGE = dict(b=1, t=256, h=2, dk=128, dv=128)    # fp32 at the K3 head size
@@ -145,6 +146,16 @@ def test_output_dtypes_follow_q_and_state_is_fp32():
         bf(q), bf(k), bf(v), bf(beta))
     assert o.dtype == jnp.bfloat16 and o.shape == (2, 100, 2, 8)
     assert s.dtype == jnp.float32 and s.shape == (2, 2, 16, 8)
+
+
+@pytest.mark.parametrize("c, block", [(64, 16), (48, 16), (24, 24)])
+def test_blocked_unit_lower_solve(c, block):
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(c)
+    n = np.tril(rng.standard_normal((2, c, c)) * 0.3, -1)
+    rhs = rng.standard_normal((2, c, 5))
+    x = solve_unit_lower(jnp.asarray(n), jnp.asarray(rhs), block)
+    assert max_err(x, np.linalg.solve(np.eye(c) + n, rhs)) <= 1e-10
 
 
 # ----------------------------------------------------------------------------------------------

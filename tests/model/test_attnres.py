@@ -1,0 +1,227 @@
+"""Block Attention Residuals (k3-math §3): `attn_res_mix` invariants (§3.5) and the K3 wiring.
+
+`attn_res_mix` computes in fp32 whatever the input dtype, so comparisons with the numpy fp64
+reference use rtol = atol = 2e-6 (O(1) values, ≤ 9 sources). "Exact" below means bitwise.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3train.model import attnres
+
+EPS = 1e-5
+TOL = 2e-6
+
+# num_valid is traced, so every source count of one shape shares a compilation.
+_mix = jax.jit(attnres.attn_res_mix, static_argnums=(4,))
+
+
+def mix(sources, num_valid, query, gain, eps=EPS):
+  return np.asarray(_mix(jnp.asarray(sources), jnp.int32(num_valid), jnp.asarray(query),
+                         jnp.asarray(gain), eps))
+
+
+def rand(shape, seed, scale=1.0):
+  return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def ref_probs(sources, num_valid, query, gain, eps=EPS):
+  """fp64 reference of §3.1: π over the first num_valid sources, per token → [n, B, T]."""
+  v = np.asarray(sources, np.float64)[:num_valid]
+  keys = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
+  scores = keys @ (np.asarray(gain, np.float64) * np.asarray(query, np.float64))
+  scores = scores - scores.max(axis=0, keepdims=True)
+  p = np.exp(scores)
+  return p / p.sum(axis=0, keepdims=True)
+
+
+def ref_mix(sources, num_valid, query, gain, eps=EPS):
+  p = ref_probs(sources, num_valid, query, gain, eps)
+  return np.einsum("nbt,nbtd->btd", p, np.asarray(sources, np.float64)[:num_valid])
+
+
+def recover_probs(sources_valid, out):
+  """The mixing weights the function actually used: out[b,t] = Σ_i π_i V_i[b,t] with the V_i
+  linearly independent (n ≤ d), solved by least squares in fp64. Returns [n, B, T]."""
+  n, b, t, _ = sources_valid.shape
+  pi = np.zeros((n, b, t))
+  for bi in range(b):
+    for ti in range(t):
+      a = np.asarray(sources_valid[:, bi, ti], np.float64).T          # [d, n]
+      pi[:, bi, ti] = np.linalg.lstsq(a, np.asarray(out[bi, ti], np.float64), rcond=None)[0]
+  return pi
+
+
+N_MAX, B, T, D = 5, 2, 3, 8
+SRC = rand((N_MAX, B, T, D), seed=0)
+QUERY = rand((D,), seed=1, scale=3.0 / np.sqrt(D))     # O(1) scores: a non-uniform softmax
+GAIN = np.random.default_rng(2).uniform(0.5, 1.5, D).astype(np.float32)
+
+
+@pytest.mark.parametrize("num_valid", [1, 2, 3, 5])
+def test_matches_fp64_reference(num_valid):
+  out = mix(SRC, num_valid, QUERY, GAIN)
+  np.testing.assert_allclose(out, ref_mix(SRC, num_valid, QUERY, GAIN), rtol=TOL, atol=TOL)
+  if num_valid > 1:   # and the softmax is far from uniform, so the query and gain matter
+    assert np.abs(out - SRC[:num_valid].mean(0)).max() > 1e-2
+
+
+@pytest.mark.parametrize("num_valid", [2, 3, 5])
+def test_zero_query_gives_mean_of_valid_sources(num_valid):
+  garbage = SRC.copy()
+  garbage[num_valid:] = 1e6    # invalid slots must not enter the mean
+  out = mix(garbage, num_valid, np.zeros(D, np.float32), GAIN)
+  expected = np.asarray(SRC[:num_valid], np.float64).mean(0)
+  np.testing.assert_allclose(out, expected, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_one_valid_source_is_exact_identity(dtype):
+  src = SRC.copy()
+  src[1:] = rand((N_MAX - 1, B, T, D), seed=3, scale=1e30)   # huge finite garbage
+  src = jnp.asarray(src).astype(dtype)
+  out = _mix(src, jnp.int32(1), jnp.asarray(QUERY), jnp.asarray(GAIN), EPS)
+  assert out.dtype == src.dtype
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(src[0], np.float32))
+
+
+def test_invalid_slots_have_no_effect():
+  n = 3
+  zeros_tail = SRC.copy()
+  zeros_tail[n:] = 0.0
+  garbage_tail = SRC.copy()
+  garbage_tail[n:] = rand((N_MAX - n, B, T, D), seed=4, scale=1e30)
+  garbage_tail[n:, 0, 0, :] = -3e38                                 # near fp32 max
+  a = mix(zeros_tail, n, QUERY, GAIN)
+  b = mix(garbage_tail, n, QUERY, GAIN)
+  assert np.all(np.isfinite(b))
+  np.testing.assert_array_equal(a, b)                              # same program, exact
+  truncated = np.asarray(_mix(jnp.asarray(SRC[:n]), jnp.int32(n), jnp.asarray(QUERY),
+                              jnp.asarray(GAIN), EPS))
+  np.testing.assert_allclose(b, truncated, rtol=TOL, atol=TOL)    # other shape: summation order
+
+
+def test_probabilities_invariant_to_positive_rescaling_output_not():
+  n = 3
+  src = SRC[:n].copy()
+  out = mix(src, n, QUERY, GAIN)
+  pi = recover_probs(src, out)
+  np.testing.assert_allclose(pi, ref_probs(src, n, QUERY, GAIN), rtol=0, atol=1e-5)
+  assert np.abs(pi - 1.0 / n).max() > 0.05                        # non-trivial weights
+  for j, c in [(0, 7.0), (2, 0.25)]:
+    scaled = src.copy()
+    scaled[j] *= c
+    out_s = mix(scaled, n, QUERY, GAIN)
+    pi_s = recover_probs(scaled, out_s)
+    # Keys are RMS-normalised: π changes only through ε (ε / mean(V²) ≲ 1e-4 here).
+    np.testing.assert_allclose(pi_s, pi, rtol=0, atol=1e-4)
+    # ... but the values are not normalised, so the output moves.
+    assert np.abs(out_s - out).max() > 0.1
+
+
+def test_permutation_equivariance_over_valid_sources():
+  n = 4
+  out = mix(SRC, n, QUERY, GAIN)
+  rng = np.random.default_rng(5)
+  for _ in range(3):
+    perm = np.concatenate([rng.permutation(n), np.arange(n, N_MAX)])
+    np.testing.assert_allclose(mix(SRC[perm], n, QUERY, GAIN), out, rtol=TOL, atol=TOL)
+  # Moving a valid source into an invalid slot does change the result.
+  swapped = SRC[[0, 1, 2, 4, 3]]
+  assert np.abs(mix(swapped, n, QUERY, GAIN) - out).max() > 1e-2
+
+
+_grad_query = jax.jit(jax.grad(
+    lambda q, src, g, cot: jnp.sum(attnres.attn_res_mix(src, 3, q, g, EPS) * cot)))
+
+
+def test_gradient_wrt_query_at_zero_init():
+  n = 3
+  src = SRC[:n]
+  cot = rand((B, T, D), seed=6)
+  g = np.asarray(_grad_query(jnp.zeros(D), jnp.asarray(src), jnp.asarray(GAIN), jnp.asarray(cot)))
+  # fp64 reference: π = 1/n, ∂L/∂w = γ ⊙ Σ_{b,t} Σ_i π_i (u_i − ū) k_i with u_i = cot · V_i.
+  v = np.asarray(src, np.float64)
+  keys = v / np.sqrt(np.mean(v * v, -1, keepdims=True) + EPS)
+  u = np.einsum("btd,nbtd->nbt", cot, v)
+  expected = GAIN * np.einsum("nbt,nbtd->d", (u - u.mean(0)) / n, keys)
+  assert np.abs(expected).max() > 1e-2
+  np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-5)
+  # Identical sources: every key is the same, the softmax gradient vanishes.
+  same = np.broadcast_to(src[:1], src.shape).copy()
+  g_same = np.asarray(_grad_query(jnp.zeros(D), jnp.asarray(same), jnp.asarray(GAIN),
+                                  jnp.asarray(cot)))
+  np.testing.assert_allclose(g_same, 0.0, atol=1e-5)
+
+
+def test_mix_module_zero_init_and_matches_function():
+  site = attnres.AttnResMix(D, eps=EPS, rngs=nnx.Rngs(params=jax.random.key(0, impl="rbg")))
+  np.testing.assert_array_equal(np.asarray(site.query[...]), np.zeros(D))
+  np.testing.assert_array_equal(np.asarray(site.norm_scale[...]), np.ones(D))
+  out = np.asarray(site(jnp.asarray(SRC), 4))
+  np.testing.assert_allclose(out, SRC[:4].astype(np.float64).mean(0), rtol=TOL, atol=TOL)
+
+
+# ----------------------------------------------------------------------------- K3 schedule
+
+
+def test_max_sources():
+  assert attnres.max_sources(93, 12) == 9     # 8 block starts (0, 12, …, 84) + partial sum
+  assert attnres.max_sources(13, 4) == 5
+  assert attnres.max_sources(12, 12) == 2
+  assert attnres.max_sources(1, 12) == 2
+
+
+@jax.jit
+def _layer_step(stream, layer_index, attn_out, mlp_out):
+  """The wiring order of DecoderLayer.__call__, with the sublayer outputs given."""
+  blocks, num_blocks, p = stream
+  attn_sources, attn_n = attnres.with_partial(blocks, num_blocks, p), num_blocks + 1
+  blocks, num_blocks, p = attnres.maybe_start_block(stream, layer_index, 12)
+  p = p + attn_out
+  mlp_sources, mlp_n = attnres.with_partial(blocks, num_blocks, p), num_blocks + 1
+  p = p + mlp_out
+  return (blocks, num_blocks, p), attn_sources, attn_n, mlp_sources, mlp_n
+
+
+def test_k3_schedule_source_counts_and_contents():
+  """93 layers, block size 12: the buffer wiring reproduces the list-based rule of §3.2."""
+  num_layers, block, d = 93, 12, 4
+  n_max = attnres.max_sources(num_layers, block)
+  rng = np.random.default_rng(7)
+  emb = rng.standard_normal((1, 1, d)).astype(np.float32)
+  outs = rng.integers(-8, 8, (num_layers, 2, 1, 1, d)).astype(np.float32)  # exact sums in fp32
+  stream = attnres.init_stream(jnp.asarray(emb), n_max)
+  ref_blocks, ref_p = [], emb.astype(np.float64)
+  for layer in range(num_layers):
+    stream, a_src, a_n, m_src, m_n = _layer_step(stream, jnp.int32(layer), outs[layer, 0],
+                                                 outs[layer, 1])
+    # reference: h_attn over blocks + [p] (layer 0: p alone), then maybe a block start
+    ref_attn = ref_blocks + [ref_p]
+    if layer % block == 0:
+      ref_blocks, ref_p = ref_blocks + [ref_p], np.zeros_like(ref_p)
+    ref_p = ref_p + outs[layer, 0]
+    ref_mlp = ref_blocks + [ref_p]
+    ref_p = ref_p + outs[layer, 1]
+
+    expected_attn = 1 if layer == 0 else (layer - 1) // block + 2
+    assert int(a_n) == len(ref_attn) == expected_attn, layer
+    assert int(m_n) == len(ref_mlp) == layer // block + 2, layer
+    np.testing.assert_array_equal(np.asarray(a_src)[:int(a_n)], np.stack(ref_attn))
+    np.testing.assert_array_equal(np.asarray(m_src)[:int(m_n)], np.stack(ref_mlp))
+    if layer == 0:   # one source: the mix is the identity on the embedding
+      h0 = mix(a_src, a_n, rand((d,), 8), np.ones(d, np.float32))
+      np.testing.assert_array_equal(h0, emb)
+  blocks, num_blocks, p = stream
+  out_sources = attnres.with_partial(blocks, num_blocks, p)
+  assert int(num_blocks) + 1 == len(ref_blocks) + 1 == 9 == n_max
+  np.testing.assert_array_equal(np.asarray(out_sources), np.stack(ref_blocks + [ref_p]))
+  # Block 0 is the embedding; block n >= 1 sums the sublayer outputs of layers [12(n-1), 12n).
+  np.testing.assert_array_equal(np.asarray(out_sources[0]), emb)
+  np.testing.assert_array_equal(np.asarray(out_sources[3]), outs[24:36].sum(axis=(0, 1)))
+  np.testing.assert_array_equal(np.asarray(out_sources[8]), outs[84:93].sum(axis=(0, 1)))
