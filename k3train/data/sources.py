@@ -29,6 +29,9 @@ EXCLUDED_DIRS = frozenset({
 # Large enough for all but a handful of stdlib files; bounds the cost of tokenizing one
 # document so the first batch arrives quickly.
 DEFAULT_MAX_BYTES_PER_FILE = 256 * 1024
+# Files are served as pieces of about this many bytes (cut at newlines) so that shuffling mixes
+# the corpus finely: a whole 256 KiB file would fill ~150 consecutive tiny-model batches.
+DEFAULT_PIECE_BYTES = 16 * 1024
 
 
 def stdlib_root() -> str:
@@ -71,36 +74,67 @@ def read_text_file(path: str, max_bytes: int | None) -> str:
   return text
 
 
-class PythonStdlibSource:
-  """A grain RandomAccessDataSource over the stdlib's *.py files, read lazily.
+def _line_start_at_or_after(data: bytes, offset: int) -> int:
+  """The first line start at byte `offset` or later (len(data) if none)."""
+  if offset <= 0:
+    return 0
+  nl = data.find(b"\n", offset - 1)
+  return len(data) if nl < 0 else nl + 1
 
-  `source[i]` is the text of the i-th file in sorted order, or None when the file could not
-  be read as UTF-8 (the pipeline drops Nones). Picklable, so it also works in grain worker
-  processes.
+
+class PythonStdlibSource:
+  """A grain RandomAccessDataSource over pieces of the stdlib's *.py files, read lazily.
+
+  Each file (first `max_bytes_per_file` bytes, cut at a newline) is split into pieces of about
+  `piece_bytes` bytes at line boundaries; the pieces of a file are disjoint and cover it.
+  `source[i]` is the text of the i-th piece in sorted (file, piece) order, or None when the
+  file could not be read as UTF-8 or the piece is empty (the pipeline drops Nones).
+  Picklable, so it also works in grain worker processes.
   """
 
   def __init__(self, *, root: str | None = None,
-               max_bytes_per_file: int | None = DEFAULT_MAX_BYTES_PER_FILE):
+               max_bytes_per_file: int | None = DEFAULT_MAX_BYTES_PER_FILE,
+               piece_bytes: int | None = DEFAULT_PIECE_BYTES):
     if max_bytes_per_file is not None and max_bytes_per_file <= 0:
       raise ValueError(f"max_bytes_per_file must be positive or None, got {max_bytes_per_file}")
+    if piece_bytes is not None and piece_bytes <= 0:
+      raise ValueError(f"piece_bytes must be positive or None, got {piece_bytes}")
     self.root = root if root is not None else stdlib_root()
     self.max_bytes_per_file = max_bytes_per_file
+    self.piece_bytes = piece_bytes
     self.paths = list_python_files(self.root)
     if not self.paths:
       raise ValueError(f"no *.py files found under {self.root!r}")
+    self.pieces: list[tuple[int, int, int]] = []   # (file index, piece index, pieces in file)
+    for file_index, path in enumerate(self.paths):
+      try:
+        size = os.path.getsize(path)
+      except OSError:
+        size = 0
+      if max_bytes_per_file is not None:
+        size = min(size, max_bytes_per_file)
+      n = 1 if piece_bytes is None else max(1, -(-size // piece_bytes))
+      self.pieces += [(file_index, i, n) for i in range(n)]
     self._skipped: set[str] = set()
     self._lock = threading.Lock()  # grain may read from several threads.
 
   def __len__(self) -> int:
-    return len(self.paths)
+    return len(self.pieces)
 
   def __getitem__(self, index: int) -> str | None:
-    path = self.paths[index]
+    file_index, piece, num_pieces = self.pieces[index]
+    path = self.paths[file_index]
     try:
-      return read_text_file(path, self.max_bytes_per_file)
+      text = read_text_file(path, self.max_bytes_per_file)
     except (OSError, UnicodeDecodeError) as e:
       self._warn_skip(path, e)
       return None
+    if num_pieces == 1:
+      return text
+    data = text.encode("utf-8")
+    start = _line_start_at_or_after(data, piece * self.piece_bytes)
+    end = len(data) if piece == num_pieces - 1 else _line_start_at_or_after(data, (piece + 1) * self.piece_bytes)
+    return data[start:end].decode("utf-8") if end > start else None
 
   def _warn_skip(self, path: str, error: Exception) -> None:
     with self._lock:
@@ -117,8 +151,8 @@ class PythonStdlibSource:
     return len(self._skipped)
 
   def __repr__(self) -> str:
-    return (f"PythonStdlibSource(root={self.root!r}, files={len(self.paths)}, "
-            f"max_bytes_per_file={self.max_bytes_per_file})")
+    return (f"PythonStdlibSource(root={self.root!r}, files={len(self.paths)}, pieces={len(self.pieces)}, "
+            f"max_bytes_per_file={self.max_bytes_per_file}, piece_bytes={self.piece_bytes})")
 
   def __getstate__(self):
     state = dict(self.__dict__)

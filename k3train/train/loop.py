@@ -91,6 +91,11 @@ def _check_finite(step: int, host_metrics: dict) -> None:
         "then resume from the last checkpoint in the workdir.")
 
 
+def compile_train_step(graphdef, optimizer):
+  """The jitted step; the state argument is donated (updated in place on accelerators)."""
+  return jax.jit(make_train_step(graphdef, optimizer), donate_argnums=0)
+
+
 def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | None = None) -> RunResult:
   """Trains to `cfg.train.steps` (or `stop_at_step`, to simulate an interruption)."""
   config_lib.validate(cfg)
@@ -121,7 +126,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     data.set_state(data_state)
     _log(f"resumed from {ckpt.directory} at step {start}")
 
-  train_step = jax.jit(make_train_step(graphdef, optimizer), donate_argnums=0)
+  train_step = compile_train_step(graphdef, optimizer)
   end = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
   result = RunResult(start_step=start, end_step=start)
   metrics_path = os.path.join(workdir, "metrics.jsonl")

@@ -116,7 +116,20 @@ def test_stdlib_source_lists_sorted_library_files():
   assert rel == sorted(rel) and len(rel) > 100
   assert "os.py" in rel
   assert not any(set(r.split("/")[:-1]) & sources.EXCLUDED_DIRS for r in rel)
-  assert "import" in src[rel.index("os.py")]
+  first_piece = next(i for i, (f, p, _) in enumerate(src.pieces) if f == rel.index("os.py") and p == 0)
+  assert "import" in src[first_piece]
+
+
+def test_pieces_split_a_file_at_lines_and_cover_it_exactly(tmp_path):
+  text = "".join(f"line {i} ü {'x' * (i % 37)}\n" for i in range(2000))
+  (tmp_path / "a.py").write_text(text, encoding="utf-8")
+  (tmp_path / "b.py").write_text("short = 1\n", encoding="utf-8")
+  src = sources.PythonStdlibSource(root=str(tmp_path), piece_bytes=1000)
+  pieces_a = [src[i] for i, (f, _, _) in enumerate(src.pieces) if f == 0]
+  assert len(pieces_a) == -(-len(text.encode()) // 1000) > 10
+  assert "".join(p for p in pieces_a if p) == text
+  assert all(p.endswith("\n") for p in pieces_a if p)
+  assert src[len(src) - 1] == "short = 1\n"
 
 
 def test_bad_files_are_skipped_with_counted_warning(tmp_path, caplog):
@@ -132,6 +145,7 @@ def test_bad_files_are_skipped_with_counted_warning(tmp_path, caplog):
   assert "skipped 1 of" in caplog.text  # b.py; d.py is not a file so it is never listed.
   src = sources.PythonStdlibSource(root=str(tmp_path))
   assert [os.path.basename(p) for p in src.paths] == ["a.py", "b.py", "c.py"]
+  assert len(src) == 3   # small files are one piece each
   caplog.clear()
   with caplog.at_level(logging.WARNING):
     assert src[1] is None and src[1] is None
