@@ -133,17 +133,29 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
   tokens_per_step = t.global_batch_size * cfg.data.seq_len
   last_saved = start
 
-  def record(step: int, device_metrics, pad_fraction: float, fh) -> dict:
+  window = {"start": time.perf_counter(), "steps": 0}
+
+  def record(step: int, device_metrics, pad_fraction: float, fh) -> None:
+    """Reads one finished step's metrics (one step late), checks them, appends and logs them."""
     host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     host["padding_fraction"] = pad_fraction
     _check_finite(step, host)
     result.losses[step] = host["loss"]
     fh.write(json.dumps({"step": step, **host}) + "\n")
-    return host
+    fh.flush()
+    if step % t.log_every and step != start + 1:
+      return
+    elapsed = time.perf_counter() - window["start"]
+    tps = window["steps"] * tokens_per_step / elapsed if elapsed > 0 and window["steps"] else float("nan")
+    eta = (end - step) * tokens_per_step / tps if tps > 0 else float("nan")
+    mfu = metrics_lib.mfu(tps, flops_per_token, t.peak_flops_per_device, jax.device_count())
+    extra = "".join(f" | {k} {host[k]:.3g}" for k in ("moe_max_load", "mla_max_logit") if k in host)
+    _log(f"step {step}/{end} | loss {host['loss']:.4f} | grad_norm {host['grad_norm']:.3g} | "
+         f"tok/s {tps:,.0f} | MFU {100 * mfu:.2f}% | ETA {metrics_lib.format_eta(eta)}{extra}")
+    window["start"], window["steps"] = time.perf_counter(), 0
 
   with _StopFlag() as stop, open(metrics_path, "a") as fh, _closing(ckpt):
     pending = None   # (step, device metrics, padding fraction) of the step in flight
-    window_start, window_steps = time.perf_counter(), 0
     step = start
     while step < end:
       if stop.signum is not None:
@@ -154,18 +166,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
       pad_fraction = pipeline.padding_fraction(batch)
       state, step_metrics = train_step(state, batch)
       if pending is not None:
-        host = record(*pending, fh)
-        if pending[0] % t.log_every == 0 or pending[0] == start + 1:
-          elapsed = time.perf_counter() - window_start
-          tps = window_steps * tokens_per_step / elapsed if elapsed > 0 and window_steps else float("nan")
-          eta = (end - pending[0]) * tokens_per_step / tps if tps == tps and tps > 0 else float("nan")
-          mfu = metrics_lib.mfu(tps, flops_per_token, t.peak_flops_per_device, jax.device_count())
-          extra = "".join(f" | {k} {host[k]:.3g}" for k in ("moe_max_load", "mla_max_logit") if k in host)
-          _log(f"step {pending[0]}/{end} | loss {host['loss']:.4f} | grad_norm {host['grad_norm']:.3g} | "
-               f"tok/s {tps:,.0f} | MFU {100 * mfu:.2f}% | ETA {metrics_lib.format_eta(eta)}{extra}")
-          window_start, window_steps = time.perf_counter(), 0
+        record(*pending, fh)
       pending = (step + 1, step_metrics, pad_fraction)
-      window_steps += 1
+      window["steps"] += 1
       step += 1
       if step % cfg.checkpoint.every_steps == 0 and step < end:
         record(*pending, fh)   # never checkpoint a non-finite state
