@@ -224,3 +224,17 @@ def test_errors_are_value_errors_and_copies_unaffected():
   with pytest.raises(ValueError):
     config_lib.validate(bad)
   config_lib.validate(cfg)   # the original is still valid
+
+
+def test_h200_proxy_validates_and_fits_one_h200():
+  """k3_h200 keeps K3's per-head shapes and its fp32 weights, AdamW moments and gradients
+  (16 bytes per parameter) leave at least 40 GB of a 141 GB H200 for activations."""
+  from configs import k3_h200
+  from k3train.tools.count_params import count
+  cfg = config_lib.validate(k3_h200.get_config())
+  m = cfg.model
+  assert m.kda.head_dim == 128 and m.mla.qk_nope_head_dim == 128 and m.mla.v_head_dim == 128
+  assert m.moe.latent_dim < m.d_model and m.moe.top_k > 1
+  sched = config_lib.layer_schedule(m)
+  assert sched.num_super_blocks >= 2 and sched.num_kda and sched.num_mla
+  assert count(cfg)["total_params"] * 16 < 100e9

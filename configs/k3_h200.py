@@ -1,0 +1,38 @@
+"""A K3 proxy that trains on one 141 GB H200, used by the device benchmarks.
+
+K3 per-layer shapes where they fit (128-dim KDA/MLA heads, MLA ranks, latent MoE with top-8 over
+64 experts, SiTU-GLU, AttnRes), fewer and narrower layers. About 4.5 B parameters (1.9 B active per token, 0.7 B of them the embedding and head):
+fp32 weights + AdamW moments + gradients ≈ 72 GB, leaving room for bf16 activations with remat.
+"""
+
+from configs import k3_full
+
+
+def get_config():
+  c = k3_full.get_config()
+  m = c.model
+  m.d_model = 2048
+  m.num_layers = 21                      # dense prefix to the first MLA, 4 super-blocks, final MLA
+  m.mla_layers = (4, 8, 12, 16, 20, 21)
+  m.dense_ffn_hidden = 8192
+  m.dtype = "bfloat16"
+  m.remat_policy = "full"
+
+  m.kda.num_heads = 16                   # 16 × 128, as K3's per-head shape
+  m.mla.num_heads = 16
+  m.mla.q_lora_rank = 768
+
+  m.moe.num_experts = 64
+  m.moe.top_k = 8
+  m.moe.latent_dim = 1024
+  m.moe.expert_hidden = 768
+  m.moe.shared_hidden = 2048
+
+  m.attn_res.block_size = 6
+
+  c.data.seq_len = 4096
+  c.train.global_batch_size = 16
+  c.train.steps = 1000
+  c.train.warmup_steps = 100
+  c.checkpoint.every_steps = 500
+  return c
