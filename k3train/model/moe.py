@@ -159,9 +159,10 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
 
 def count_expert_load(idx_tk: jax.Array, token_mask_t: jax.Array, num_experts: int) -> jax.Array:
   """load_e [E] fp32: (token, expert) pairs per expert, counting real tokens only."""
-  weight_tk = jnp.broadcast_to(token_mask_t.reshape(-1, 1).astype(jnp.float32), idx_tk.shape)
-  return jnp.bincount(idx_tk.reshape(-1), weights=weight_tk.reshape(-1),
-                      length=num_experts).astype(jnp.float32)
+  # Integer counting (padding pairs go to an overflow bin that is dropped), so counts are exact.
+  real_tk = jnp.broadcast_to(token_mask_t.reshape(-1, 1).astype(bool), idx_tk.shape)
+  idx = jnp.where(real_tk, idx_tk, num_experts).reshape(-1)
+  return jnp.bincount(idx, length=num_experts + 1)[:num_experts].astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- experts
