@@ -71,13 +71,27 @@ def get_config() -> ml_collections.ConfigDict:
   t.seed = 0
   t.global_batch_size = 2048
   t.steps = 1_000_000
-  t.learning_rate = 3e-4
-  t.warmup_steps = 2000
-  t.min_lr_ratio = 0.1
-  t.weight_decay = 0.1
-  t.grad_clip_norm = 1.0
   t.log_every = 10
   t.peak_flops_per_device = 989e12  # dense bf16 peak of one H100/H200, for MFU
+
+  o = c.optim = ml_collections.ConfigDict()
+  o.optimizer = "muon"             # muon (per-head Muon for matrices, AdamW for the rest) | adamw
+  o.learning_rate = 3e-4
+  o.schedule = "cosine"            # cosine (warmup + cosine) | wsd (warmup-stable-decay)
+  o.warmup_steps = 2000
+  o.min_lr_ratio = 0.1
+  o.wsd_decay_fraction = 0.1       # wsd: share of train.steps spent decaying
+  o.weight_decay = 0.1
+  o.grad_clip_norm = 1.0
+  o.adam_b1 = 0.9
+  o.adam_b2 = 0.95
+  o.adam_eps = 1e-8
+  o.muon_momentum = 0.95
+  o.muon_update_rms = 0.2
+  o.qk_clip = True                 # rescale MLA heads whose max logit exceeds qk_clip_tau
+  o.qk_clip_tau = 100.0
+  o.loss_spike_factor = 0.0        # > 0: skip an update whose loss exceeds factor × running mean
+  o.loss_spike_ema = 0.99          # decay of that running mean
 
   k = c.checkpoint = ml_collections.ConfigDict()
   k.every_steps = 1000

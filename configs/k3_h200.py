@@ -33,6 +33,6 @@ def get_config():
   c.data.seq_len = 4096
   c.train.global_batch_size = 16
   c.train.steps = 1000
-  c.train.warmup_steps = 100
+  c.optim.warmup_steps = 100
   c.checkpoint.every_steps = 500
   return c

@@ -20,6 +20,8 @@ class ConfigError(ValueError):
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 KDA_BACKENDS = ("auto", "reference", "jax", "pallas_gpu", "pallas_tpu")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
 MOE_BACKENDS = ("auto", "reference", "ragged_dot", "pallas_gpu", "pallas_tpu")
 
 
@@ -127,9 +129,22 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   t = cfg.train
   _require(t.global_batch_size >= 1, "train.global_batch_size", f"must be >= 1, got {t.global_batch_size}")
   _require(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
-  _require(t.learning_rate > 0, "train.learning_rate", "must be > 0")
-  _require(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-  _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"must lie in [0, 1], got {t.min_lr_ratio}")
+  o = cfg.optim
+  _require(o.optimizer in OPTIMIZERS, "optim.optimizer", f"must be one of {OPTIMIZERS}, got {o.optimizer!r}")
+  _require(o.schedule in SCHEDULES, "optim.schedule", f"must be one of {SCHEDULES}, got {o.schedule!r}")
+  _require(o.learning_rate > 0, "optim.learning_rate", "must be > 0")
+  _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+  _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must lie in [0, 1], got {o.min_lr_ratio}")
+  _require(0 < o.wsd_decay_fraction <= 1, "optim.wsd_decay_fraction",
+           f"must lie in (0, 1], got {o.wsd_decay_fraction}")
+  _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+  _require(o.grad_clip_norm >= 0, "optim.grad_clip_norm", "must be >= 0 (0 turns clipping off)")
+  _require(0 <= o.adam_b1 < 1 and 0 <= o.adam_b2 < 1, "optim.adam_b1/adam_b2", "must lie in [0, 1)")
+  _require(0 <= o.muon_momentum < 1, "optim.muon_momentum", "must lie in [0, 1)")
+  _require(o.qk_clip_tau > 0, "optim.qk_clip_tau", "must be > 0")
+  _require(o.loss_spike_factor == 0 or o.loss_spike_factor > 1, "optim.loss_spike_factor",
+           f"must be 0 (off) or > 1, got {o.loss_spike_factor}")
+  _require(0 < o.loss_spike_ema < 1, "optim.loss_spike_ema", "must lie in (0, 1)")
   _require(t.log_every >= 1, "train.log_every", "must be >= 1")
   _require(cfg.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _require(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")

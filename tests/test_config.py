@@ -238,3 +238,16 @@ def test_h200_proxy_validates_and_fits_one_h200():
   sched = config_lib.layer_schedule(m)
   assert sched.num_super_blocks >= 2 and sched.num_kda and sched.num_mla
   assert count(cfg)["total_params"] * 16 < 100e9
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("optimizer", "sgd", "optim.optimizer"),
+    ("schedule", "linear", "optim.schedule"),
+    ("min_lr_ratio", 1.5, "optim.min_lr_ratio"),
+    ("loss_spike_factor", 0.5, "optim.loss_spike_factor"),
+])
+def test_optim_section_errors_name_the_key(key, value, fragment):
+  cfg = k3_tiny.get_config()
+  cfg.optim[key] = value
+  with pytest.raises(config_lib.ConfigError, match=fragment):
+    config_lib.validate(cfg)

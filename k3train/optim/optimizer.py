@@ -1,6 +1,6 @@
-"""The optimizer chain: global-norm clipping, AdamW with decoupled weight decay, warmup + cosine.
+"""The optimizer built from the `optim` config section: AdamW everywhere, or per-head Muon for
+matrices with AdamW for the rest; global-norm clipping; warmup + cosine or warmup-stable-decay.
 
-AdamW everywhere for now; the per-head Muon partition replaces it for matrices (issue: Muon).
 The schedule reads optax's own step counter, so a restored optimizer state resumes mid-schedule.
 """
 
@@ -10,15 +10,22 @@ import jax
 import ml_collections
 import optax
 
+from k3train.optim import schedules
+
 # Parameter names never weight-decayed: norm gains, gate biases/rates, conv kernels, AttnRes queries.
 NO_DECAY_NAMES = ("scale", "A_log", "dt_bias", "q_conv", "k_conv", "v_conv", "query", "norm_scale")
 
 
-def learning_rate_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup to `learning_rate`, then cosine decay to `min_lr_ratio × learning_rate` at `steps`."""
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
-      decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
+def learning_rate_schedule(o: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
+  """Warmup + cosine or warmup-stable-decay (optim.schedule) over `steps`, ending at min_lr_ratio × peak.
+
+  A run shorter than its warmup warms up over the whole run.
+  """
+  warmup = min(o.warmup_steps, steps)
+  if o.schedule == "wsd":
+    return schedules.warmup_stable_decay(o.learning_rate, warmup, steps, o.wsd_decay_fraction,
+                                         o.min_lr_ratio)
+  return schedules.warmup_cosine(o.learning_rate, warmup, steps, o.min_lr_ratio)
 
 
 def path_names(path) -> list[str]:
@@ -39,9 +46,25 @@ def decay_mask(params):
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(t: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(cfg: ml_collections.ConfigDict, params_like=None) -> optax.GradientTransformation:
+  """The optax chain for `cfg.optim` over `cfg.train.steps` steps.
+
+  `params_like` (the parameter tree, shapes suffice) is needed for Muon, whose per-head /
+  per-expert / whole-matrix partition is derived from parameter paths.
+  """
+  o = cfg.optim
+  schedule = learning_rate_schedule(o, cfg.train.steps)
+  if o.optimizer == "muon":
+    if params_like is None:
+      raise ValueError("optim.optimizer='muon' needs params_like to derive the per-head partition")
+    from k3train.optim.muon import make_muon_optimizer
+    return make_muon_optimizer(
+        learning_rate=schedule, params_like=params_like, weight_decay=o.weight_decay,
+        momentum=o.muon_momentum, rms_scale=o.muon_update_rms, adam_b1=o.adam_b1, adam_b2=o.adam_b2,
+        adam_eps=o.adam_eps, grad_clip_norm=o.grad_clip_norm)
+  clip = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
   return optax.chain(
-      optax.clip_by_global_norm(t.grad_clip_norm),
-      optax.adamw(learning_rate_schedule(t), b1=0.9, b2=0.95, eps=1e-8,
-                  weight_decay=t.weight_decay, mask=decay_mask),
+      *clip,
+      optax.adamw(schedule, b1=o.adam_b1, b2=o.adam_b2,
+                  eps=o.adam_eps, weight_decay=o.weight_decay, mask=decay_mask),
   )

@@ -87,13 +87,17 @@ def _check_finite(step: int, host_metrics: dict) -> None:
   if not math.isfinite(loss):
     raise NonFiniteLossError(
         f"loss is {loss} at step {step} (grad_norm {host_metrics.get('grad_norm')}); stopping. "
-        "Nothing from this step was checkpointed; lower train.learning_rate or check the data, "
+        "Nothing from this step was checkpointed; lower optim.learning_rate or check the data, "
         "then resume from the last checkpoint in the workdir.")
 
 
-def compile_train_step(graphdef, optimizer):
+def compile_train_step(graphdef, optimizer, cfg):
   """The jitted step; the state argument is donated (updated in place on accelerators)."""
-  return jax.jit(make_train_step(graphdef, optimizer), donate_argnums=0)
+  o = cfg.optim
+  step = make_train_step(graphdef, optimizer, loss_spike_factor=o.loss_spike_factor,
+                         loss_spike_ema=o.loss_spike_ema, qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
+                         mla_nope_dim=cfg.model.mla.qk_nope_head_dim)
+  return jax.jit(step, donate_argnums=0)
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | None = None) -> RunResult:
@@ -114,7 +118,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
        f"{flops_per_token:.3g} training FLOPs per token")
 
   model = build_model(cfg.model, seed=t.seed)
-  optimizer = make_optimizer(t)
+  params_like = nnx.state(model, nnx.Param)
+  optimizer = make_optimizer(cfg, params_like)
+  if cfg.optim.optimizer == "muon":
+    from k3train.optim import muon
+    _log("optimizer partition:\n" + muon.format_partition(muon.partition_summary(params_like)))
   graphdef, state = init_state(model, optimizer)
   del model
   data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size // process_count,
@@ -126,7 +134,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     data.set_state(data_state)
     _log(f"resumed from {ckpt.directory} at step {start}")
 
-  train_step = compile_train_step(graphdef, optimizer)
+  train_step = compile_train_step(graphdef, optimizer, cfg)
   end = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
   result = RunResult(start_step=start, end_step=start)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
@@ -143,13 +151,17 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     result.losses[step] = host["loss"]
     fh.write(json.dumps({"step": step, **host}) + "\n")
     fh.flush()
+    if host.get("skipped_update", 0) > 0:
+      _log(f"step {step}: loss {host['loss']:.4f} exceeded {cfg.optim.loss_spike_factor}x its running "
+           "mean; the update was skipped (optim.loss_spike_factor)")
     if step % t.log_every and step != start + 1:
       return
     elapsed = time.perf_counter() - window["start"]
     tps = window["steps"] * tokens_per_step / elapsed if elapsed > 0 and window["steps"] else float("nan")
     eta = (end - step) * tokens_per_step / tps if tps > 0 else float("nan")
     mfu = metrics_lib.mfu(tps, flops_per_token, t.peak_flops_per_device, jax.device_count())
-    extra = "".join(f" | {k} {host[k]:.3g}" for k in ("moe_max_load", "mla_max_logit") if k in host)
+    extra = "".join(f" | {k} {host[k]:.3g}" for k in ("moe_max_load", "mla_max_logit", "qk_clip_heads")
+                    if k in host)
     _log(f"step {step}/{end} | loss {host['loss']:.4f} | grad_norm {host['grad_norm']:.3g} | "
          f"tok/s {tps:,.0f} | MFU {100 * mfu:.2f}% | ETA {metrics_lib.format_eta(eta)}{extra}")
     window["start"], window["steps"] = time.perf_counter(), 0

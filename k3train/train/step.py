@@ -17,21 +17,26 @@ from flax import nnx
 
 from k3train.model import moe
 from k3train.model.mla import MaxLogit
+from k3train.optim.qk_clip import qk_clip
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
-  step: jax.Array          # int32 scalar: optimizer updates done
+  step: jax.Array          # int32 scalar: steps taken (updates applied or skipped)
   params: Any              # nnx.State of nnx.Param
   rest: Any                # nnx.State of all other model variables
   opt_state: Any
+  loss_ema: jax.Array      # fp32 running mean of the loss, for the loss-spike guard (0 = unset)
+  skipped: jax.Array       # int32 number of updates the loss-spike guard skipped
 
 
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation):
   """(graphdef, TrainState) for a freshly initialised model."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  return graphdef, TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params))
+  # Distinct buffers for every scalar: the jitted step donates the whole state.
+  return graphdef, TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params),
+                              jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
 
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
@@ -59,16 +64,39 @@ def forward_loss(graphdef, params, rest, batch):
   return loss, (new_rest, n_tokens)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation):
-  """train_step(state, batch) -> (state, metrics); jit it with explicit shardings at the call site."""
+def spike_guard(loss, loss_ema, *, factor: float, decay: float):
+  """(skip, new_ema): skip when loss > factor × running mean (never on the first step, never when
+  factor is 0); the mean only absorbs losses of updates that were applied."""
+  first = loss_ema == 0
+  skip = jnp.logical_and(jnp.logical_not(first), loss > factor * loss_ema) if factor > 0 else jnp.bool_(False)
+  blended = jnp.where(first, loss, decay * loss_ema + (1 - decay) * loss)
+  return skip, jnp.where(skip, loss_ema, blended)
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_spike_factor: float = 0.0,
+                    loss_spike_ema: float = 0.99, qk_clip_tau: float | None = None,
+                    mla_nope_dim: int | None = None):
+  """train_step(state, batch) -> (state, metrics); jit it with explicit shardings at the call site.
+
+  After the optimizer update: QK-Clip on MLA heads whose max logit of this batch exceeded
+  `qk_clip_tau` (None: off), the Quantile-Balancing router-bias update, and the loss-spike guard.
+  """
 
   def train_step(state: TrainState, batch: dict):
     grad_fn = jax.value_and_grad(forward_loss, argnums=1, has_aux=True)
     (loss, (rest, n_tokens)), grads = grad_fn(graphdef, state.params, state.rest, batch)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    clip_stats = {}
+    if qk_clip_tau is not None:
+      params, clip_stats = qk_clip(params, rest, tau=qk_clip_tau, nope=mla_nope_dim)
     rest = moe.qb_bias_update(rest)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": n_tokens}
+    skip, loss_ema = spike_guard(loss, state.loss_ema, factor=loss_spike_factor, decay=loss_spike_ema)
+    if loss_spike_factor > 0:  # a skipped step keeps parameters, optimizer state and router biases
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+      params, opt_state, rest = keep(params, state.params), keep(opt_state, state.opt_state), keep(rest, state.rest)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": n_tokens,
+               "skipped_update": skip.astype(jnp.float32), **clip_stats}
     loads = _collect(rest, moe.ExpertLoad)
     if loads:
       load_le = jnp.concatenate([l.reshape(-1, l.shape[-1]) for l in loads])  # [MoE layers, E]
@@ -77,6 +105,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation):
     logits_max = _collect(rest, MaxLogit)
     if logits_max:
       metrics["mla_max_logit"] = jnp.max(jnp.concatenate([x.reshape(-1) for x in logits_max]))
-    return TrainState(state.step + 1, params, rest, opt_state), metrics
+    skipped = state.skipped + skip.astype(jnp.int32)
+    return TrainState(state.step + 1, params, rest, opt_state, loss_ema, skipped), metrics
 
   return train_step
