@@ -6,7 +6,6 @@ All modules are single-device code. Every parameter carries logical axis names (
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import jax
@@ -131,7 +130,3 @@ def dtype_from_name(name: str):
             "float16": jnp.float16}[name]
   except KeyError:
     raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16, float16 or float64") from None
-
-
-def fan_in_std(fan_in: int) -> float:
-  return 1.0 / math.sqrt(fan_in)

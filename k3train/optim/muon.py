@@ -52,7 +52,7 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from k3train.optim.optimizer import path_names
+from k3train.tree_paths import path_names
 
 GROUPS = ("muon_per_head", "muon_per_expert", "muon_matrix", "adamw")
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -136,11 +136,6 @@ def leaf_rule(names: Sequence[str], ndim: int) -> LeafRule:
 
 def _rule_of(path, leaf) -> LeafRule:
   return leaf_rule(path_names(path), len(leaf.shape))
-
-
-def leaf_rules(params) -> Any:
-  """The `LeafRule` of every leaf, in the structure of `params`."""
-  return jax.tree_util.tree_map_with_path(_rule_of, params)
 
 
 def muon_dimension_numbers(params) -> Any:

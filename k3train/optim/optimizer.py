@@ -11,6 +11,7 @@ import ml_collections
 import optax
 
 from k3train.optim import schedules
+from k3train.tree_paths import path_names
 
 # Parameter names never weight-decayed: norm gains, gate biases/rates, conv kernels, AttnRes queries.
 NO_DECAY_NAMES = ("scale", "A_log", "dt_bias", "q_conv", "k_conv", "v_conv", "query", "norm_scale")
@@ -26,16 +27,6 @@ def learning_rate_schedule(o: ml_collections.ConfigDict, steps: int) -> optax.Sc
     return schedules.warmup_stable_decay(o.learning_rate, warmup, steps, o.wsd_decay_fraction,
                                          o.min_lr_ratio)
   return schedules.warmup_cosine(o.learning_rate, warmup, steps, o.min_lr_ratio)
-
-
-def path_names(path) -> list[str]:
-  """Module/attribute names of a pytree path, without nnx.Variable's trailing `.value`."""
-  names = []
-  for p in path:
-    if isinstance(p, jax.tree_util.GetAttrKey) and p.name == "value":
-      continue
-    names.append(str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))))
-  return names
 
 
 def decay_mask(params):

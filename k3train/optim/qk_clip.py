@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3train.optim.optimizer import path_names
+from k3train.tree_paths import path_names
 
 MAX_LOGIT = "max_logit"
 Q_B, KV_B, KV_A, KERNEL = "q_b_proj", "kv_b_proj", "kv_a_proj", "kernel"

@@ -16,7 +16,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from k3train.optim.optimizer import path_names
+from k3train.tree_paths import path_names
 
 # Config sections that must match between a checkpoint and the run that restores it.
 MUST_MATCH = ("model", "data")

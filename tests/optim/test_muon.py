@@ -20,7 +20,7 @@ from flax import nnx
 from configs import k3_full, k3_tiny
 from k3train.model.decoder import K3Model
 from k3train.optim import muon
-from k3train.optim.optimizer import path_names
+from k3train.tree_paths import path_names
 
 COEFFS = (3.4445, -4.7750, 2.0315)
 BETA = 0.95

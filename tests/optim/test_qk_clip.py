@@ -31,7 +31,7 @@ from configs import k3_tiny
 from k3train.model import mla as mla_lib
 from k3train.model.decoder import K3Model
 from k3train.optim import qk_clip as qk
-from k3train.optim.optimizer import path_names
+from k3train.tree_paths import path_names
 
 TAU = 1.0
 B, T, D = 2, 8, 16
