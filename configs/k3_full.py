@@ -93,6 +93,17 @@ def get_config() -> ml_collections.ConfigDict:
   o.loss_spike_factor = 0.0        # > 0: skip an update whose loss exceeds factor × running mean
   o.loss_spike_ema = 0.99          # decay of that running mean
 
+  p = c.parallel = ml_collections.ConfigDict()
+  # Device mesh, outermost → innermost; -1 fills the devices the other axes leave
+  # (see k3train/parallel/mesh.py; `python -m k3train.tools.plan` sizes it for a cluster).
+  p.data = 1
+  p.fsdp = -1
+  p.expert = 1
+  p.sequence = 1
+  p.tensor = 1
+  p.rules = "full"                 # logical → mesh rule table: default | long_context | full
+  p.expert_exchange = "auto"       # token exchange for expert parallelism: auto | all_to_all | ragged
+
   k = c.checkpoint = ml_collections.ConfigDict()
   k.every_steps = 1000
   k.max_to_keep = 3

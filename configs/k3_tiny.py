@@ -48,6 +48,8 @@ def get_config():
   c.train.log_every = 10
   c.train.peak_flops_per_device = 1e11   # rough fp32 peak of 2 laptop cores, for the MFU estimate
 
+  c.parallel.rules = "default"
+
   c.checkpoint.every_steps = 50
   c.checkpoint.max_to_keep = 2
   return c

@@ -22,6 +22,8 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 KDA_BACKENDS = ("auto", "reference", "jax", "pallas_gpu", "pallas_tpu")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
+PARALLEL_RULES = ("default", "long_context", "full")   # k3train/parallel/rules.py RECIPES
+EXPERT_EXCHANGES = ("auto", "all_to_all", "ragged")
 MOE_BACKENDS = ("auto", "reference", "ragged_dot", "pallas_gpu", "pallas_tpu")
 
 
@@ -146,6 +148,14 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            f"must be 0 (off) or > 1, got {o.loss_spike_factor}")
   _require(0 < o.loss_spike_ema < 1, "optim.loss_spike_ema", "must lie in (0, 1)")
   _require(t.log_every >= 1, "train.log_every", "must be >= 1")
+  par = cfg.parallel
+  for axis in ("data", "fsdp", "expert", "sequence", "tensor"):
+    _require(par[axis] == -1 or par[axis] >= 1, f"parallel.{axis}", f"must be >= 1 or -1 (fill), got {par[axis]}")
+  fills = [a for a in ("data", "fsdp", "expert", "sequence", "tensor") if par[a] == -1]
+  _require(len(fills) <= 1, "parallel", f"at most one mesh axis may be -1, got {fills}")
+  _require(par.rules in PARALLEL_RULES, "parallel.rules", f"must be one of {PARALLEL_RULES}, got {par.rules!r}")
+  _require(par.expert_exchange in EXPERT_EXCHANGES, "parallel.expert_exchange",
+           f"must be one of {EXPERT_EXCHANGES}, got {par.expert_exchange!r}")
   _require(cfg.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _require(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   layer_schedule(m)  # raises ConfigError when the layer pattern cannot be scanned

@@ -8,7 +8,6 @@ constraint is a no-op, so model code runs unchanged on one device.
 from __future__ import annotations
 
 import jax
-from flax import linen as nn
 
 # Activations
 BATCH = "batch"
@@ -35,4 +34,5 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
   """Constrain an activation's sharding through logical axis names (no-op outside a mesh)."""
   if len(names) != x.ndim:
     raise ValueError(f"constrain: {len(names)} names {names} for an array of rank {x.ndim}")
-  return nn.with_logical_constraint(x, names)
+  from k3train.parallel import rules  # local import: parallel imports these names
+  return rules.constrain(x, names)

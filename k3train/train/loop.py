@@ -22,12 +22,12 @@ from flax import nnx
 
 from k3train import config as config_lib
 from k3train.data import pipeline
-from k3train.model.decoder import build_model
 from k3train.optim.optimizer import make_optimizer
+from k3train.parallel import mesh as mesh_lib
 from k3train.tools.count_params import count
 from k3train.train import metrics as metrics_lib
 from k3train.train.checkpoint import Checkpointer
-from k3train.train.step import init_state, make_train_step
+from k3train.train import layout as layout_lib
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -91,13 +91,9 @@ def _check_finite(step: int, host_metrics: dict) -> None:
         "then resume from the last checkpoint in the workdir.")
 
 
-def compile_train_step(graphdef, optimizer, cfg):
-  """The jitted step; the state argument is donated (updated in place on accelerators)."""
-  o = cfg.optim
-  step = make_train_step(graphdef, optimizer, loss_spike_factor=o.loss_spike_factor,
-                         loss_spike_ema=o.loss_spike_ema, qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
-                         mla_nope_dim=cfg.model.mla.qk_nope_head_dim)
-  return jax.jit(step, donate_argnums=0)
+def compile_train_step(graphdef, optimizer, cfg, layout, shardings):
+  """The step jitted with explicit shardings; the state argument is donated (updated in place)."""
+  return layout_lib.jit_train_step(graphdef, optimizer, cfg, layout, shardings)
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | None = None) -> RunResult:
@@ -117,13 +113,16 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
   _log(f"model: {counts['total_params']:,} parameters, {counts['active_params']:,} active per token; "
        f"{flops_per_token:.3g} training FLOPs per token")
 
-  model = build_model(cfg.model, seed=t.seed)
+  layout = layout_lib.make_layout(cfg)
+  _log(f"mesh: {mesh_lib.describe(dict(layout.mesh.shape))} over {jax.device_count()} devices "
+       f"({process_count} processes); rules: {cfg.parallel.rules}")
+  model = layout_lib.build_sharded_model(cfg, layout)
   params_like = nnx.state(model, nnx.Param)
   optimizer = make_optimizer(cfg, params_like)
   if cfg.optim.optimizer == "muon":
     from k3train.optim import muon
     _log("optimizer partition:\n" + muon.format_partition(muon.partition_summary(params_like)))
-  graphdef, state = init_state(model, optimizer)
+  graphdef, state, shardings = layout_lib.init_sharded_state(model, optimizer, layout)
   del model
   data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size // process_count,
                                      seed=t.seed, process_index=process_index, process_count=process_count)
@@ -134,7 +133,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     data.set_state(data_state)
     _log(f"resumed from {ckpt.directory} at step {start}")
 
-  train_step = compile_train_step(graphdef, optimizer, cfg)
+  train_step = compile_train_step(graphdef, optimizer, cfg, layout, shardings)
   end = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
   result = RunResult(start_step=start, end_step=start)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
@@ -174,9 +173,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
         result.stopped_by_signal = True
         _log(f"received signal {stop.signum}: saving a checkpoint at step {step} and exiting")
         break
-      batch = next(data)
-      pad_fraction = pipeline.padding_fraction(batch)
-      state, step_metrics = train_step(state, batch)
+      host_batch = next(data)
+      pad_fraction = pipeline.padding_fraction(host_batch)
+      state, step_metrics = train_step(state, layout.global_batch(host_batch))
       if pending is not None:
         record(*pending, fh)
       pending = (step + 1, step_metrics, pad_fraction)

@@ -110,8 +110,8 @@ def test_non_finite_loss_stops_with_the_step_and_saves_nothing_from_it(tmp_path,
   real_compile = loop.compile_train_step
   bad_step = 7
 
-  def poisoned(graphdef, optimizer, cfg):
-    step_fn = real_compile(graphdef, optimizer, cfg)
+  def poisoned(*args):
+    step_fn = real_compile(*args)
     def wrapped(state, batch):
       new_state, metrics = step_fn(state, batch)
       if int(new_state.step) == bad_step:

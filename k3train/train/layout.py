@@ -1,0 +1,117 @@
+"""The parallel layout of a run: mesh + rules → sharded model, train state, jitted step, batches.
+
+Everything the train loop (and the multi-device tests) needs to place a run on a mesh:
+
+    layout = make_layout(cfg)                       # mesh and rule table from cfg.parallel
+    model = build_sharded_model(cfg, layout)        # parameters created already sharded
+    graphdef, state, shardings = init_sharded_state(model, optimizer, layout)
+    step = jit_train_step(graphdef, optimizer, cfg, layout, shardings)
+    batch = layout.global_batch(host_batch)          # this process's rows → global arrays
+
+Shapes that the mesh does not divide fail here, before anything is compiled, with a message
+naming the array, the dimension and the mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from k3train.model.decoder import K3Model, build_model
+from k3train.parallel import mesh as mesh_lib
+from k3train.parallel import rules as rules_lib
+from k3train.parallel import state_sharding
+from k3train.train.step import TrainState, make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  mesh: Mesh
+  rules: rules_lib.Rules
+  batch: NamedSharding           # every [B, T] batch array
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  def global_batch(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows of the global batch → global arrays sharded by `self.batch`."""
+    return {k: jax.make_array_from_process_local_data(self.batch, np.asarray(v))
+            for k, v in host_batch.items()}
+
+
+def make_layout(cfg: ml_collections.ConfigDict, devices=None) -> Layout:
+  """Mesh from cfg.parallel over `devices` (default all), the rule table, the batch sharding."""
+  sizes = mesh_lib.sizes_from_config(cfg.parallel)
+  mesh = mesh_lib.make_mesh(sizes, devices)
+  rules = rules_lib.get_rules(cfg.parallel.rules)
+  batch = state_sharding.batch_sharding(mesh, rules, cfg.train.global_batch_size, cfg.data.seq_len)
+  return Layout(mesh, rules, batch)
+
+
+def model_shardings(cfg: ml_collections.ConfigDict, layout: Layout) -> nnx.State:
+  """Shardings of every model variable (from an abstract model: nothing is allocated)."""
+  abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(params=0)))
+  return state_sharding.nnx_state_shardings(nnx.state(abstract), layout.rules, layout.mesh)
+
+
+def build_sharded_model(cfg: ml_collections.ConfigDict, layout: Layout) -> K3Model:
+  return build_model(cfg.model, seed=cfg.train.seed, out_shardings=model_shardings(cfg, layout))
+
+
+def init_sharded_state(model: nnx.Module, optimizer: optax.GradientTransformation, layout: Layout):
+  """(graphdef, TrainState, TrainState of shardings); optimizer state is created sharded."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  param_sh = state_sharding.nnx_state_shardings(params, layout.rules, layout.mesh)
+  rest_sh = state_sharding.nnx_state_shardings(rest, layout.rules, layout.mesh)
+  opt_abstract = jax.eval_shape(optimizer.init, params)
+  opt_sh = state_sharding.mirror_shardings(opt_abstract, params, param_sh, layout.mesh)
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+  rep = layout.replicated
+  # Distinct buffers for every scalar: the jitted step donates the whole state.
+  scalar = lambda dtype: jax.device_put(jnp.zeros((), dtype), rep)
+  state = TrainState(scalar(jnp.int32), params, rest, opt_state, scalar(jnp.float32), scalar(jnp.int32))
+  shardings = TrainState(rep, param_sh, rest_sh, opt_sh, rep, rep)
+  return graphdef, state, shardings
+
+
+def jit_train_step(graphdef, optimizer, cfg: ml_collections.ConfigDict, layout: Layout,
+                   shardings: TrainState):
+  """The train step jitted with explicit state / batch / metric shardings; the state is donated.
+
+  The model is traced inside `rules.activate`, so its logical constraints and the expert- and
+  sequence-parallel ops see the mesh.
+  """
+  o = cfg.optim
+  step = make_train_step(graphdef, optimizer, loss_spike_factor=o.loss_spike_factor,
+                         loss_spike_ema=o.loss_spike_ema,
+                         qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
+                         mla_nope_dim=cfg.model.mla.qk_nope_head_dim)
+
+  def sharded_step(state, batch):
+    with rules_lib.activate(layout.mesh, layout.rules):
+      return step(state, batch)
+
+  batch_sh = {k: layout.batch for k in state_sharding.BATCH_KEYS_2D}
+  return jax.jit(sharded_step, in_shardings=(shardings, batch_sh),
+                 out_shardings=(shardings, layout.replicated), donate_argnums=0)
+
+
+def check_batch_divides(cfg: ml_collections.ConfigDict, layout: Layout) -> None:
+  """The per-process batch must cover whole batch shards of this process's devices."""
+  processes = jax.process_count()
+  if cfg.train.global_batch_size % processes:
+    raise mesh_lib.MeshError(f"train.global_batch_size={cfg.train.global_batch_size} must be "
+                             f"divisible by the {processes} processes")
+
+
+__all__ = ["Layout", "build_sharded_model", "init_sharded_state", "jit_train_step", "make_layout",
+           "model_shardings"]
