@@ -1,7 +1,9 @@
 """Public KDA op: validates, canonicalises (scale, dtype, padding, resets) and dispatches to a backend.
 
 Backends: "reference" (token recurrence, the oracle), "jax" (chunked WY form in jnp, runs anywhere),
-"auto" (picks the best available; "jax" until the Pallas kernels land behind this same signature).
+"pallas_gpu" (Pallas-Triton kernels), "pallas_tpu" (Pallas-Mosaic kernels) — both with a chunked
+custom_vjp backward, and run in interpret mode when their platform is absent (CI) — and "auto"
+(pallas_gpu on GPU, pallas_tpu on TPU, jax elsewhere).
 """
 
 from __future__ import annotations
@@ -12,9 +14,19 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda.chunked import kda_chunked
+from pallas_kernels.kda.intra import reset_counts
+from pallas_kernels.kda.pallas_op import kda_pallas
 from pallas_kernels.kda.reference import kda_recurrent, recurrent_step
 
-BACKENDS = ("auto", "reference", "jax")
+BACKENDS = ("auto", "reference", "jax", "pallas_gpu", "pallas_tpu")
+_PALLAS_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+
+
+def resolve_backend(backend: str) -> str:
+  """"auto" -> the fastest backend for the default JAX platform; others pass through."""
+  if backend != "auto":
+    return backend
+  return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "jax")
 
 
 def _compute_dtype(*xs) -> jnp.dtype:
@@ -54,6 +66,20 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend)
     _check_shape("kda", "segment_ids", segment_ids, (b, t), "[B, T]")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
       raise ValueError(f"kda: segment_ids must be integer, got dtype {segment_ids.dtype}")
+  if resolve_backend(backend) in _PALLAS_PLATFORM:
+    _validate_pallas(q, v, chunk_size, backend)
+
+
+def _validate_pallas(q, v, chunk_size, backend) -> None:
+  """The Pallas kernels tile by powers of two and compute in fp32 with bf16/fp32 operands."""
+  dk, dv = q.shape[3], v.shape[3]
+  pow2 = lambda n: n >= 16 and n & (n - 1) == 0
+  if chunk_size not in (16, 32, 64):
+    raise ValueError(f"kda[{backend}]: chunk_size must be 16, 32 or 64, got {chunk_size}")
+  if not (pow2(dk) and pow2(dv)):
+    raise ValueError(f"kda[{backend}]: K and V must be powers of two >= 16, got K={dk}, V={dv}")
+  if jax.dtypes.canonicalize_dtype(q.dtype) == jnp.float64:
+    raise ValueError(f"kda[{backend}]: fp64 inputs are not supported (use 'reference' or 'jax')")
 
 
 def _resets(segment_ids, b: int, t: int) -> jax.Array:
@@ -83,7 +109,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
   are fp64 — or None unless output_final_state).
   """
   _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend)
-  backend = "jax" if backend == "auto" else backend  # until a Pallas backend exists
+  backend = resolve_backend(backend)
   b, t, h, dk = q.shape
   dv = v.shape[3]
   dtype = _compute_dtype(q, k, v, g, beta, initial_state)
@@ -92,11 +118,15 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
   # without them (and ragged lengths that pad alike) share one compilation.
   s0_bhkv = jnp.zeros((b, h, dk, dv), dtype) if initial_state is None else initial_state
   reset_bt = _resets(segment_ids, b, t)
-  pad = -t % chunk_size if backend == "jax" else 0
+  pad = -t % chunk_size if backend != "reference" else 0
   if pad:
     q, k, v, g, beta, reset_bt = (_pad_time(x, pad) for x in (q, k, v, g, beta, reset_bt))
-  o_bthv, s_bhkv = _kda_core(q, k, v, g, beta, scale, s0_bhkv, reset_bt, dtype=dtype,
-                             chunk_size=chunk_size, backend=backend)
+  if backend in _PALLAS_PLATFORM:
+    o_bthv, s_bhkv = _kda_pallas_core(q, k, v, g, beta, s0_bhkv, reset_bt, scale=float(scale),
+                                      chunk_size=chunk_size, backend=backend)
+  else:
+    o_bthv, s_bhkv = _kda_core(q, k, v, g, beta, scale, s0_bhkv, reset_bt, dtype=dtype,
+                               chunk_size=chunk_size, backend=backend)
   if pad:
     o_bthv = o_bthv[:, :t]
   return o_bthv, (s_bhkv if output_final_state else None)
@@ -112,6 +142,20 @@ def _kda_core(q, k, v, g, beta, scale, s0, reset_bt, *, dtype, chunk_size, backe
   else:
     o_bthv, s_bhkv = kda_chunked(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, s0_bhkv, reset_bt,
                                  chunk_size)
+  return o_bthv.astype(q.dtype), s_bhkv
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "backend"))
+def _kda_pallas_core(q, k, v, g, beta, s0, reset_bt, *, scale, chunk_size, backend):
+  """Pallas backends: q, k, v keep their dtype (bf16 stays bf16: the kernels' dot operand dtype,
+  fp32 accumulation); g, β, S₀ in fp32; scale is static (a kernel constant)."""
+  platform = _PALLAS_PLATFORM[backend]
+  interpret = jax.default_backend() != platform
+  mm = q.dtype if q.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
+  o_bthv, s_bhkv = kda_pallas(q.astype(mm), k.astype(mm), v.astype(mm), g.astype(jnp.float32),
+                              beta.astype(jnp.float32), s0.astype(jnp.float32),
+                              reset_counts(reset_bt, chunk_size), scale, chunk_size, platform,
+                              interpret)
   return o_bthv.astype(q.dtype), s_bhkv
 
 

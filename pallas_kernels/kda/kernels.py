@@ -1,0 +1,179 @@
+"""Pallas kernel bodies for chunked KDA, shared by the Triton (GPU) and Mosaic (TPU) wrappers.
+
+Only value-level jnp ops that both lowerings support are used here: 2-D dots (with transposed
+operands expressed through `lax.dot_general`), elementwise maths, iota masks, row reductions,
+static/dynamic row loads from refs. The platform wrappers decide how refs map onto HBM
+(`pallas_gpu.py`: whole-sequence refs walked with `pl.ds`; `pallas_tpu.py`: per-chunk blocks
+with the chunk loop on the grid and the state in VMEM scratch).
+
+Notation per (batch, head, chunk): C tokens, K key dim, V value (or value-block) dim; Γ the
+in-chunk cumulative log-decay; masks from the in-chunk reset count cnt (k3-math §1.4–1.5).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+F32 = jnp.float32
+
+
+def mm(a, b, dtype):
+  """a [M, D] @ b [D, N] with operands cast to `dtype` (bf16: tensor cores) and fp32 accumulation."""
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (0,)), ((), ())),
+                         preferred_element_type=F32, precision=_precision(dtype))
+
+
+def mm_tn(a, b, dtype):
+  """aᵀ b for a [D, M], b [D, N] -> [M, N]."""
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), (((0,), (0,)), ((), ())),
+                         preferred_element_type=F32, precision=_precision(dtype))
+
+
+def mm_nt(a, b, dtype):
+  """a bᵀ for a [M, D], b [N, D] -> [M, N]."""
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())),
+                         preferred_element_type=F32, precision=_precision(dtype))
+
+
+def _precision(dtype):
+  # fp32 operands: full fp32 products (no TF32), so fp32 runs match the reference to ~1e-6.
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+
+
+def _iota(shape, axis):
+  return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def intra_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
+                 aqk_ref, w_ref, u_ref, qg_ref, kt_ref, *, scale, sub, mm_dtype):
+  """One chunk of one (batch, head): A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K (see intra.intra_all).
+
+  Refs: q, k, gam [C, K]; v [C, V]; beta, cnt [C, 1]; cntr [1, C] (cnt as a row); outputs
+  aqk [C, C], w/qg/kt [C, K], u [C, V]. Scores use the sub-chunk factorisation so no exponent is
+  ever positive: blocks below the diagonal go through the first row of the row's sub-chunk
+  (two factors ≤ 1, one dot per sub-chunk), diagonal sub×sub blocks are built one column at a
+  time with the exact pairwise exponent masked before exp.
+  """
+  c, dk = q_ref.shape
+  nsub = c // sub
+  q = q_ref[...].astype(F32) * scale
+  k = k_ref[...].astype(F32)
+  gam = gam_ref[...]
+  beta = beta_ref[...].astype(F32)
+  cnt = cnt_ref[...]
+  cnt_row = cntr_ref[...]
+  row_cc, col_cc = _iota((c, c), 0), _iota((c, c), 1)
+  blk_ck = lax.div(_iota((c, dk), 0), sub)
+  pos_ck = lax.rem(_iota((c, dk), 0), sub)
+  blk_cc = lax.div(row_cc, sub)
+
+  # Decayed q/k against S₀ and towards S_next, with the segment masks.
+  gam_last = gam_ref[pl.ds(c - 1, 1), :]
+  cnt_last = cnt_ref[pl.ds(c - 1, 1), :]
+  sees = cnt == 0.0
+  decay = jnp.exp(gam)
+  qg = jnp.where(sees, q * decay, 0.0)
+  kg = jnp.where(sees, k * decay, 0.0)
+  kt = jnp.where(cnt == cnt_last, k * jnp.exp(gam_last - gam), 0.0)
+
+  # Below-diagonal sub-chunk blocks: reference row = first row of the row's sub-chunk.
+  a_qk = jnp.zeros((c, c), F32)
+  a_kk = jnp.zeros((c, c), F32)
+  for i in range(1, nsub):
+    ref = gam_ref[pl.ds(i * sub, 1), :]
+    rows_i = blk_ck == i
+    e_row = jnp.exp(jnp.where(rows_i, gam - ref, 0.0))
+    q_i = jnp.where(rows_i, q * e_row, 0.0)
+    k_i = jnp.where(rows_i, k * e_row, 0.0)
+    before = blk_ck < i
+    k_back = jnp.where(before, k * jnp.exp(jnp.where(before, ref - gam, 0.0)), 0.0)
+    a_qk = a_qk + mm_nt(q_i, k_back, mm_dtype)
+    a_kk = a_kk + mm_nt(k_i, k_back, mm_dtype)
+
+  # Diagonal blocks, column j of every sub-chunk at once (exact exponent, masked before exp).
+  def diag_column(j, carry):
+    a_qk, a_kk = carry
+    k_s = jnp.zeros((c, dk), F32)
+    gam_s = jnp.zeros((c, dk), F32)
+    for i in range(nsub):
+      k_s = jnp.where(blk_ck == i, k_ref_row(k_ref, i * sub + j), k_s)
+      gam_s = jnp.where(blk_ck == i, gam_ref[pl.ds(i * sub + j, 1), :], gam_s)
+    valid = pos_ck >= j
+    k_dec = jnp.where(valid, k_s * jnp.exp(jnp.where(valid, gam - gam_s, 0.0)), 0.0)
+    col_q = jnp.sum(q * k_dec, axis=1, keepdims=True)
+    col_k = jnp.sum(k * k_dec, axis=1, keepdims=True)
+    target = col_cc == blk_cc * sub + j
+    return jnp.where(target, col_q, a_qk), jnp.where(target, col_k, a_kk)
+
+  a_qk, a_kk = lax.fori_loop(0, sub, diag_column, (a_qk, a_kk))
+  same = cnt == cnt_row
+  a_qk = jnp.where(same & (col_cc <= row_cc), a_qk, 0.0)
+  a_kk = jnp.where(same & (col_cc < row_cc), a_kk, 0.0)
+
+  # WY: X = (I + N)⁻¹, N = Diag(β) A_kk strictly lower, by row-wise forward substitution
+  # X[r] = e_r − Σ_s N[r, s] X[s]; N[r, :] is read as column r of Nᵀ.
+  n_t = jnp.transpose(beta * a_kk)
+  eye = (row_cc == col_cc).astype(F32)
+
+  def next_row(r, x):
+    n_r = jnp.sum(jnp.where(col_cc == r, n_t, 0.0), axis=1, keepdims=True)   # [C, 1]
+    contrib = jnp.sum(n_r * x, axis=0, keepdims=True)                          # [1, C]
+    return x - jnp.where(row_cc == r, contrib, 0.0)
+
+  inv = lax.fori_loop(1, c, next_row, eye)
+  w = mm(inv, beta * kg, mm_dtype)
+  u = mm(inv, beta * v_ref[...].astype(F32), mm_dtype)
+
+  aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
+  w_ref[...] = w.astype(w_ref.dtype)
+  u_ref[...] = u.astype(u_ref.dtype)
+  qg_ref[...] = qg.astype(qg_ref.dtype)
+  kt_ref[...] = kt.astype(kt_ref.dtype)
+
+
+def k_ref_row(ref, r):
+  """Row r of a [C, K] ref as a [1, K] fp32 value."""
+  return ref[pl.ds(r, 1), :].astype(F32)
+
+
+def fwd_step(s, qg, kt, w, u, aqk, d, mm_dtype):
+  """One chunk of the state pass: Δ = U − W S; O = Qg S + A_qk Δ; S' = d⊙S + Ktᵀ Δ.
+
+  s [K, V] fp32; qg, kt, w [C, K]; u [C, V]; aqk [C, C]; d [K, 1]. Returns (S', O, Δ) fp32.
+  """
+  delta = u.astype(F32) - mm(w, s, mm_dtype)
+  o = mm(qg, s, mm_dtype) + mm(aqk, delta, mm_dtype)
+  s_next = d * s + mm_tn(kt, delta, mm_dtype)
+  return s_next, o, delta
+
+
+def bwd_step(ds, do, qg, kt, w, aqk, d, mm_dtype):
+  """Reverse of `fwd_step` for the state path, given dS' (grad of the state leaving the chunk).
+
+  dΔ = A_qkᵀ dO + Kt dS';  dS = Qgᵀ dO + d⊙dS' − Wᵀ dΔ.  Returns (dS, dΔ) fp32.
+  """
+  do = do.astype(F32)
+  ddelta = mm_tn(aqk, do, mm_dtype) + mm(kt, ds, mm_dtype)
+  ds_prev = mm_tn(qg, do, mm_dtype) + d * ds - mm_tn(w, ddelta, mm_dtype)
+  return ds_prev, ddelta
+
+
+def chunk_bwd_kernel(h_ref, dh_ref, delta_ref, ddelta_ref, do_ref,
+                     dqg_ref, dw_ref, dkt_ref, daqk_ref, dd_ref, *, mm_dtype):
+  """Per-chunk gradients of the state-pass inputs that need the whole V: given S (entering),
+  dS' (leaving), Δ, dΔ, dO: dQg = dO Sᵀ, dW = −dΔ Sᵀ, dKt = Δ dS'ᵀ, dA_qk = dO Δᵀ,
+  dd = rowsum(S ⊙ dS'). Refs: h, dh [K, V]; delta, ddelta, do [C, V]; outputs fp32.
+  """
+  h = h_ref[...].astype(F32)
+  dh = dh_ref[...].astype(F32)
+  delta = delta_ref[...].astype(F32)
+  ddelta = ddelta_ref[...].astype(F32)
+  do = do_ref[...].astype(F32)
+  dqg_ref[...] = mm_nt(do, h, mm_dtype)
+  dw_ref[...] = -mm_nt(ddelta, h, mm_dtype)
+  dkt_ref[...] = mm_nt(delta, dh, mm_dtype)
+  daqk_ref[...] = mm_nt(do, delta, mm_dtype)
+  dd_ref[...] = jnp.sum(h * dh, axis=1, keepdims=True)

@@ -1,0 +1,76 @@
+"""Chunked KDA through Pallas kernels, with a chunked custom_vjp backward (k3-math §1.4).
+
+Forward:  intra-chunk kernel (A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk, parallel over chunks)
+          → state kernel (sequential over chunks, parallel over B × H × V-blocks; writes O, the
+          final state and, for the backward, the entering state of every chunk and Δ).
+Backward: reverse state kernel (dS per chunk and dΔ = A_qkᵀ dO + Kt dS')
+          → chunk kernel (dQg, dW, dKt, dA_qk, dd from S, dS', Δ, dΔ, dO)
+          → the intra-chunk part's VJP, taken from its jnp definition (`intra.intra_all`).
+The recurrence is never differentiated. `platform` picks the launchers (pallas_gpu / pallas_tpu).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import intra as intra_lib
+
+F32 = jnp.float32
+
+
+def _launchers(platform: str):
+  if platform == "gpu":
+    from pallas_kernels.kda import pallas_gpu as mod
+  elif platform == "tpu":
+    from pallas_kernels.kda import pallas_tpu as mod
+  else:
+    raise ValueError(f"kda pallas: unknown platform {platform!r} (gpu or tpu)")
+  return mod
+
+
+def _forward(q, k, v, g, beta, s0, cnt, *, scale, chunk, platform, interpret, save):
+  mod = _launchers(platform)
+  gam = intra_lib.chunk_cumsum(g, chunk)
+  d = intra_lib.state_decay(gam, cnt, chunk)
+  aqk, w, u, qg, kt = mod.intra(q, k, v, gam, beta.astype(F32), cnt, scale=scale, chunk=chunk,
+                                interpret=interpret)
+  outs = mod.state_fwd(qg, kt, w, u, aqk, d, s0.astype(F32), chunk=chunk, save=save,
+                       interpret=interpret)
+  return outs, (aqk, w, qg, kt, d)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def kda_pallas(q, k, v, g, beta, s0, cnt, scale, chunk, platform, interpret):
+  """q, k [B,T,H,K] (q unscaled), v [B,T,H,V] in one float dtype (bf16 or fp32: also the dots'
+  operand dtype); g [B,T,H,K], beta [B,T,H], s0 [B,H,K,V] fp32; cnt = intra.reset_counts(...).
+  T must be a multiple of chunk. Returns (o [B,T,H,V] fp32, S_final [B,H,K,V] fp32)."""
+  (o, sf), _ = _forward(q, k, v, g, beta, s0, cnt, scale=scale, chunk=chunk, platform=platform,
+                        interpret=interpret, save=False)
+  return o, sf
+
+
+def _fwd(q, k, v, g, beta, s0, cnt, scale, chunk, platform, interpret):
+  (o, sf, hs, delta), (aqk, w, qg, kt, d) = _forward(
+      q, k, v, g, beta, s0, cnt, scale=scale, chunk=chunk, platform=platform,
+      interpret=interpret, save=True)
+  return (o, sf), (q, k, v, g, beta, cnt, aqk, w, qg, kt, d, hs, delta)
+
+
+def _bwd(scale, chunk, platform, interpret, res, cts):
+  q, k, v, g, beta, cnt, aqk, w, qg, kt, d, hs, delta = res
+  do, dsf = cts
+  mod = _launchers(platform)
+  ds0, dhs, ddelta = mod.state_bwd(do.astype(F32), dsf.astype(F32), qg, kt, w, aqk, d,
+                                   chunk=chunk, interpret=interpret)
+  dqg, dw, dkt, daqk, dd = mod.chunk_bwd(hs, dhs, delta, ddelta, do.astype(F32), chunk=chunk,
+                                         interpret=interpret)
+  intra_fn = functools.partial(intra_lib.intra_all, scale=scale, chunk=chunk)
+  _, vjp = jax.vjp(lambda *a: intra_fn(*a, cnt), q, k, v, g, beta)
+  dq, dk, dv, dg, dbeta = vjp((daqk, dw, ddelta, dqg, dkt, dd))
+  return dq, dk, dv, dg, dbeta, ds0, jnp.zeros_like(cnt)
+
+
+kda_pallas.defvjp(_fwd, _bwd)
