@@ -61,11 +61,28 @@ def get_config() -> ml_collections.ConfigDict:
   r.block_size = 12               # decoder layers per AttnRes block
 
   d = c.data = ml_collections.ConfigDict()
-  d.source = "python_stdlib"      # embedded default corpus; see k3train/data
-  d.tokenizer = "default"         # the byte-level BPE the repo ships
+  # Sources (k3train/data/sources.py): python_stdlib (embedded default corpus), synthetic_text,
+  # synthetic_images, or KIND:PATH with KIND in jsonl, interleaved, text, parquet, array_record,
+  # image_caption. `weights` (one per source) may change between curriculum stages.
+  d.sources = ("python_stdlib",)
+  d.weights = (1.0,)
+  d.tokenizer = "default"         # the shipped byte-level BPE, a tokenizers JSON or a tiktoken file
   d.seq_len = 4096
   d.shuffle_seed = 0
-  d.num_workers = 0
+  d.num_workers = 0               # worker processes per source (grain mp_prefetch); 0 = in-process
+  d.num_threads = 1               # reader threads per source (grain ReadOptions)
+
+  v = d.vision = ml_collections.ConfigDict()   # MoonViT-V2 input (k3-math.md §6)
+  v.enabled = False               # emit vision_* batch keys; media segments are skipped when off
+  v.max_patches = 16384           # 14-px patches per image (h·w), after resizing
+  v.max_side = 3584               # px, after resizing (sides are multiples of 28)
+  v.max_input_pixels = 16384 * 16384  # larger decoded images are skipped as oversized
+  v.video_fps = 2.0
+  v.max_video_frames = 64
+  v.max_video_frame_patches = 1024
+  v.frames_per_chunk = 4          # frames per MoonViT-3D chunk (one grid)
+  v.max_patches_per_row = 16384   # patch budget of one packed row
+  v.max_grids_per_row = 64
 
   t = c.train = ml_collections.ConfigDict()
   t.seed = 0

@@ -37,6 +37,10 @@ def get_config():
   m.attn_res.block_size = 4
 
   c.data.seq_len = 128
+  c.data.vision.max_patches = 256          # ≤ 64 placeholders per image: fits a 129-token row
+  c.data.vision.max_video_frame_patches = 64
+  c.data.vision.max_patches_per_row = 512
+  c.data.vision.max_grids_per_row = 16
 
   c.train.global_batch_size = 4
   c.train.steps = 200

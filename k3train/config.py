@@ -126,8 +126,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(m.attn_res.block_size >= 1, "model.attn_res.block_size",
            f"must be >= 1 decoder layers, got {m.attn_res.block_size}")
 
-  _require(cfg.data.seq_len >= 2, "data.seq_len", f"must be >= 2, got {cfg.data.seq_len}")
-  _require(cfg.data.num_workers >= 0, "data.num_workers", "must be >= 0")
+  _validate_data(cfg.data)
   t = cfg.train
   _require(t.global_batch_size >= 1, "train.global_batch_size", f"must be >= 1, got {t.global_batch_size}")
   _require(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
@@ -160,6 +159,32 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   layer_schedule(m)  # raises ConfigError when the layer pattern cannot be scanned
   return cfg
+
+
+def _validate_data(d: ml_collections.ConfigDict) -> None:
+  _require(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}")
+  _require(d.num_workers >= 0, "data.num_workers", "must be >= 0")
+  _require(d.num_threads >= 0, "data.num_threads", "must be >= 0")
+  sources = tuple(d.sources)
+  _require(len(sources) >= 1 and all(isinstance(s, str) and s for s in sources), "data.sources",
+           f"must be a non-empty tuple of source names, got {sources!r}")
+  _require(len(set(sources)) == len(sources), "data.sources", f"has duplicates: {sources}")
+  weights = tuple(d.weights)
+  _require(len(weights) == len(sources), "data.weights",
+           f"needs one weight per source ({len(sources)}), got {weights!r}")
+  _require(all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights),
+           "data.weights", f"must be positive numbers, got {weights!r}")
+  v = d.vision
+  _require(v.max_patches >= 4, "data.vision.max_patches", f"must be >= 4, got {v.max_patches}")
+  _require(v.max_side >= 28 and v.max_side % 28 == 0, "data.vision.max_side",
+           f"must be a positive multiple of 28 px, got {v.max_side}")
+  _require(1 <= v.frames_per_chunk <= 4, "data.vision.frames_per_chunk",
+           f"must lie in [1, 4], got {v.frames_per_chunk}")
+  _require(v.video_fps > 0 and v.max_video_frames >= 1 and v.max_video_frame_patches >= 4,
+           "data.vision", "video_fps must be > 0, max_video_frames >= 1, max_video_frame_patches >= 4")
+  _require(v.max_input_pixels >= 1, "data.vision.max_input_pixels", "must be >= 1")
+  _require(v.max_patches_per_row >= 4 and v.max_grids_per_row >= 1, "data.vision",
+           "max_patches_per_row must be >= 4 and max_grids_per_row >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,10 +15,13 @@ skips; it never stops training.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import sysconfig
 import threading
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -202,11 +205,304 @@ def python_stdlib_documents(*, root: str | None = None,
   return [text for _, text in docs]
 
 
-SOURCES = ("python_stdlib",)
+# --- Other document sources ----------------------------------------------------------------
+#
+# Every source is a grain RandomAccessDataSource (len + getitem, picklable). An item is one
+# document in one of these forms, which `k3train.data.documents` encodes:
+#   str                                   plain text
+#   {"segments": [{"text": str} | {"image": path or bytes} | {"video": path}, ...]}
+#                                         an interleaved document (image-caption pairs too)
+#   None                                  nothing to train on (blank piece, unreadable file)
+#   BadRecord(reason, message)            a record that could not be parsed; counted, skipped
 
 
-def make_source(name: str, **kwargs) -> PythonStdlibSource:
-  """The document source called `name` (see SOURCES)."""
-  if name == "python_stdlib":
+class BadRecord:
+  """A source item that could not be parsed; the pipeline counts it under `reason`."""
+
+  __slots__ = ("reason", "message")
+
+  def __init__(self, reason: str, message: str):
+    self.reason, self.message = reason, message
+
+  def __reduce__(self):
+    return (BadRecord, (self.reason, self.message))
+
+  def __repr__(self) -> str:
+    return f"BadRecord({self.reason!r}, {self.message!r})"
+
+
+def expand_paths(pattern: str, *, suffixes: tuple[str, ...] | None = None) -> list[str]:
+  """Files named by `pattern`: a file, a directory (all files below it, recursively, optionally
+  filtered by suffix), or a glob; sorted, so the document order is deterministic."""
+  import glob
+  if os.path.isdir(pattern):
+    found = []
+    for dirpath, dirnames, filenames in os.walk(pattern):
+      dirnames.sort()
+      found += [os.path.join(dirpath, n) for n in filenames
+                if suffixes is None or n.lower().endswith(suffixes)]
+    paths = sorted(found)
+  else:
+    paths = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+  if not paths:
+    raise ValueError(f"no input files match {pattern!r}")
+  return paths
+
+
+def _resolve_media(segments, base_dir: str):
+  """Validates a segments list and makes relative media paths absolute (relative to base_dir)."""
+  if not isinstance(segments, list):
+    raise ValueError(f"'segments' must be a list, got {type(segments).__name__}")
+  out = []
+  for seg in segments:
+    if not isinstance(seg, dict) or len(seg) != 1:
+      raise ValueError(f"each segment must be a one-key object, got {seg!r:.80}")
+    (kind, value), = seg.items()
+    if kind == "text":
+      if not isinstance(value, str):
+        raise ValueError("a text segment must hold a string")
+    elif kind in ("image", "video"):
+      if not isinstance(value, str):
+        raise ValueError(f"an {kind} segment must hold a path")
+      value = value if os.path.isabs(value) else os.path.join(base_dir, value)
+    else:
+      raise ValueError(f"unknown segment kind {kind!r}; allowed: text, image, video")
+    out.append({kind: value})
+  return {"segments": out}
+
+
+def parse_document(obj, *, field: str, base_dir: str):
+  """A parsed JSON value → a document (see the list above) or BadRecord."""
+  if isinstance(obj, dict) and "segments" in obj:
+    try:
+      return _resolve_media(obj["segments"], base_dir)
+    except ValueError as e:
+      return BadRecord("bad_record", str(e))
+  if isinstance(obj, dict) and isinstance(obj.get(field), str):
+    return obj[field]
+  return BadRecord("bad_record", f"record has neither a string {field!r} field nor 'segments'")
+
+
+class JsonlSource:
+  """Lines of JSONL files: `{"text": ...}` or `{"segments": [...]}` (interleaved documents).
+
+  Construction scans the files once for line offsets; items are read lazily with a seek.
+  Media paths in segments are relative to the JSONL file's directory.
+  """
+
+  def __init__(self, pattern: str, *, field: str = "text"):
+    self.paths = expand_paths(pattern, suffixes=(".jsonl", ".json"))
+    self.field = field
+    self.index: list[tuple[int, int, int]] = []   # (file, offset, length)
+    for f, path in enumerate(self.paths):
+      with open(path, "rb") as fh:
+        data = fh.read()
+      start = 0
+      while start < len(data):
+        end = data.find(b"\n", start)
+        end = len(data) if end < 0 else end
+        if data[start:end].strip():
+          self.index.append((f, start, end - start))
+        start = end + 1
+
+  def __len__(self) -> int:
+    return len(self.index)
+
+  def __getitem__(self, i: int):
+    f, offset, length = self.index[i]
+    try:
+      with open(self.paths[f], "rb") as fh:
+        fh.seek(offset)
+        obj = json.loads(fh.read(length).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+      return BadRecord("bad_record", f"{self.paths[f]} line at byte {offset}: {e}")
+    return parse_document(obj, field=self.field, base_dir=os.path.dirname(self.paths[f]))
+
+  def __repr__(self) -> str:
+    return f"JsonlSource(files={len(self.paths)}, documents={len(self)})"
+
+
+class TextFilesSource:
+  """Plain UTF-8 text files, one document per file (a directory, a glob or one file)."""
+
+  def __init__(self, pattern: str, *, suffixes=(".txt", ".md", ".text")):
+    self.paths = expand_paths(pattern, suffixes=suffixes)
+
+  def __len__(self) -> int:
+    return len(self.paths)
+
+  def __getitem__(self, i: int):
+    try:
+      return read_text_file(self.paths[i], None)
+    except (OSError, UnicodeDecodeError) as e:
+      return BadRecord("bad_record", f"{self.paths[i]}: {type(e).__name__}: {e}")
+
+
+class ParquetSource:
+  """A text column of Parquet files; row groups are read on demand and cached per thread."""
+
+  def __init__(self, pattern: str, *, field: str = "text"):
+    import pyarrow.parquet as pq
+    self.paths = expand_paths(pattern, suffixes=(".parquet",))
+    self.field = field
+    self.groups: list[tuple[int, int, int]] = []   # (file, row group, first global row)
+    total = 0
+    for f, path in enumerate(self.paths):
+      meta = pq.ParquetFile(path).metadata
+      if field not in meta.schema.names:
+        raise ValueError(f"{path} has no column {field!r}; columns: {meta.schema.names}")
+      for g in range(meta.num_row_groups):
+        self.groups.append((f, g, total))
+        total += meta.row_group(g).num_rows
+    self.num_rows = total
+    self._starts = [s for _, _, s in self.groups]
+    self._local = threading.local()
+
+  def __len__(self) -> int:
+    return self.num_rows
+
+  def __getitem__(self, i: int):
+    import bisect
+    import pyarrow.parquet as pq
+    if not 0 <= i < self.num_rows:
+      raise IndexError(i)
+    k = bisect.bisect_right(self._starts, i) - 1
+    cache = getattr(self._local, "cache", None)
+    if cache is None or cache[0] != k:
+      f, g, _ = self.groups[k]
+      column = pq.ParquetFile(self.paths[f]).read_row_group(g, columns=[self.field]).column(0)
+      cache = self._local.cache = (k, column.to_pylist())
+    value = cache[1][i - self.groups[k][2]]
+    return value if isinstance(value, str) else BadRecord("bad_record", f"row {i}: {self.field!r} is not text")
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    del state["_local"]
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._local = threading.local()
+
+
+class ArrayRecordSource:
+  """ArrayRecord files whose records are UTF-8 JSON documents (as JSONL lines) or plain text."""
+
+  def __init__(self, pattern: str, *, field: str = "text"):
+    import grain
+    self.paths = expand_paths(pattern, suffixes=(".array_record", ".arrayrecord"))
+    self.field = field
+    self._source = grain.sources.ArrayRecordDataSource(self.paths)
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, i: int):
+    raw = self._source[i]
+    try:
+      text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      return BadRecord("bad_record", f"record {i} is not UTF-8: {e}")
+    if text.lstrip().startswith("{"):
+      try:
+        obj = json.loads(text)
+      except ValueError as e:
+        return BadRecord("bad_record", f"record {i}: {e}")
+      return parse_document(obj, field=self.field, base_dir=os.path.dirname(self.paths[0]))
+    return text
+
+
+class ImageCaptionSource:
+  """A folder of images (and animations), each with an optional same-name .txt caption.
+
+  Document = [image, caption]. Animated GIF/APNG/WebP files count as images (first frame);
+  put them in an interleaved document as {"video": path} to use them as video.
+  """
+
+  def __init__(self, root: str):
+    from k3train.data import vision
+    self.paths = expand_paths(root, suffixes=vision.IMAGE_EXTENSIONS)
+
+  def __len__(self) -> int:
+    return len(self.paths)
+
+  def __getitem__(self, i: int):
+    path = self.paths[i]
+    caption_path = os.path.splitext(path)[0] + ".txt"
+    caption = ""
+    if os.path.exists(caption_path):
+      try:
+        caption = read_text_file(caption_path, None)
+      except (OSError, UnicodeDecodeError) as e:
+        return BadRecord("bad_record", f"caption {caption_path}: {e}")
+    return {"segments": [{"image": path}, {"text": caption}]}
+
+
+_WORDS = ("the of and to in is that for it as with was on be by this are from at or an which "
+          "data model token image train layer value state batch shard host step loss code def "
+          "return class import self none true false while yield lambda").split()
+
+
+class SyntheticSource:
+  """Deterministic generated documents for benchmarks: text, or images with captions.
+
+  `synthetic_text`: item i is ~`words` pseudo-random words (seeded by i).
+  `synthetic_images`: item i is a caption and one of 16 pre-encoded JPEG/PNG images of
+  varied sizes (so decoding cost is real, encoding cost is paid once at construction).
+  """
+
+  def __init__(self, kind: str, *, size: int = 100_000, words: int = 400):
+    if kind not in ("text", "images"):
+      raise ValueError(f"synthetic kind must be 'text' or 'images', got {kind!r}")
+    self.kind, self.size, self.words = kind, size, words
+    self.pool: list[bytes] = []
+    if kind == "images":
+      import io
+      from PIL import Image
+      rng = np.random.default_rng(0)
+      for j in range(16):
+        w, h = int(rng.integers(200, 900)), int(rng.integers(200, 900))
+        base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+        img = Image.fromarray(base).resize((w, h), Image.Resampling.BILINEAR)
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG" if j % 2 == 0 else "PNG", quality=90)
+        self.pool.append(buf.getvalue())
+
+  def __len__(self) -> int:
+    return self.size
+
+  def _text(self, i: int, n: int) -> str:
+    rng = np.random.default_rng([i, 7])
+    return " ".join(_WORDS[k] for k in rng.integers(0, len(_WORDS), n)) + "\n"
+
+  def __getitem__(self, i: int):
+    if not 0 <= i < self.size:
+      raise IndexError(i)
+    if self.kind == "text":
+      return self._text(i, self.words)
+    return {"segments": [{"image": self.pool[i % len(self.pool)]}, {"text": self._text(i, 24)}]}
+
+
+SOURCES = ("python_stdlib", "synthetic_text", "synthetic_images", "jsonl", "interleaved", "text",
+           "parquet", "array_record", "image_caption")
+
+
+def make_source(spec: str, **kwargs):
+  """The document source described by `spec`: a name, or `kind:path` (path may be a glob).
+
+  python_stdlib | synthetic_text | synthetic_images | jsonl:PATH | interleaved:PATH (JSONL with
+  segments) | text:PATH | parquet:PATH | array_record:PATH | image_caption:DIR.
+  """
+  kind, _, path = spec.partition(":")
+  if kind == "python_stdlib" and not path:
     return PythonStdlibSource(**kwargs)
-  raise ValueError(f"unknown data source {name!r}; allowed values: {', '.join(SOURCES)}")
+  if kind in ("synthetic_text", "synthetic_images") and not path:
+    return SyntheticSource(kind.split("_")[1], **kwargs)
+  makers = {"jsonl": JsonlSource, "interleaved": JsonlSource, "text": TextFilesSource,
+            "parquet": ParquetSource, "array_record": ArrayRecordSource,
+            "image_caption": ImageCaptionSource}
+  if kind in makers and path:
+    return makers[kind](path, **kwargs)
+  raise ValueError(f"unknown data source {spec!r}; allowed values: python_stdlib, synthetic_text, "
+                   "synthetic_images, or KIND:PATH with KIND one of jsonl, interleaved, text, "
+                   "parquet, array_record, image_caption")

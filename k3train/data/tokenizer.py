@@ -7,7 +7,8 @@ shipped 4096-entry vocabulary round-trips arbitrary text. The repo ships
 
   python -m k3train.data.tokenizer --train --out k3train/data/assets/tokenizer.json
 
-Special tokens hold the first ids, so <|pad|> is id 0. Text is always encoded literally:
+A tiktoken-format BPE file (Kimi's format) loads through `TiktokenTokenizer`, whose byte-pair
+merge is our own (tiktoken_bpe.py). Special tokens hold the first ids, so <|pad|> is id 0. Text is always encoded literally:
 a special token's spelling inside a document is tokenized as ordinary text, never as the
 special id, so data cannot inject control tokens. The pipeline adds BOS/EOS ids itself.
 """
@@ -93,8 +94,83 @@ class Tokenizer:
     return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(name_or_path: str = "default") -> Tokenizer:
-  """Loads `"default"` (the shipped tokenizer) or a `tokenizers` JSON file at a path."""
+class TiktokenTokenizer:
+  """A tiktoken-format BPE file (see tiktoken_bpe.py) with the same interface as `Tokenizer`.
+
+  Special tokens take the ids after the largest rank, in SPECIAL_TOKENS order, so `pad_id` is
+  not 0 here (padding is masked by segment id 0 anyway).
+  """
+
+  def __init__(self, path: str, *, pattern: str | None = None):
+    from k3train.data import tiktoken_bpe
+    ranks = tiktoken_bpe.load_ranks(path)
+    kw = {} if pattern is None else {"pattern": pattern}
+    self._bpe = tiktoken_bpe.TiktokenBPE(ranks, SPECIAL_TOKENS, source=path, **kw)
+    self.source = path
+    self.vocab_size = self._bpe.vocab_size
+    self.special_ids = dict(self._bpe.special_ids)
+    self.pad_id, self.bos_id, self.eos_id = (self.special_ids[t] for t in (PAD, BOS, EOS))
+
+  def encode(self, text: str) -> list[int]:
+    if not isinstance(text, str):
+      raise TypeError(f"encode expects a str, got {type(text).__name__}")
+    return self._bpe.encode(text)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise ValueError(f"token id(s) {bad[:5]} out of range [0, {self.vocab_size})")
+    return self._bpe.decode(ids)
+
+  def __repr__(self) -> str:
+    return f"TiktokenTokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's reversible byte → printable character map used by byte-level BPE vocabularies."""
+  keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+  out, extra = {}, 0
+  for b in range(256):
+    if b in keep:
+      out[b] = chr(b)
+    else:
+      out[b] = chr(256 + extra)
+      extra += 1
+  return out
+
+
+def export_tiktoken(tok: Tokenizer, path: str) -> None:
+  """Writes the BPE part of a byte-level `tokenizers` tokenizer as a tiktoken file.
+
+  Ranks are the token ids (for a trained BPE, merge order = id order), specials left out.
+  """
+  from k3train.data import tiktoken_bpe
+  char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+  ranks = {}
+  for token, i in tok._tok.get_vocab(with_added_tokens=False).items():
+    if token in SPECIAL_TOKENS:
+      continue
+    ranks[bytes(char_to_byte[c] for c in token)] = i
+  tiktoken_bpe.write_ranks(ranks, path)
+
+
+def load_tokenizer(name_or_path: str = "default"):
+  """Loads `"default"` (the shipped tokenizer), a `tokenizers` JSON file, or a tiktoken BPE file
+  (`<base64> <rank>` lines, as Kimi models ship; also chosen by a `tiktoken:` prefix)."""
+  if isinstance(name_or_path, str) and name_or_path.startswith("tiktoken:"):
+    path = name_or_path[len("tiktoken:"):]
+    if not os.path.isfile(path):
+      raise ValueError(f"tiktoken file {path!r} does not exist")
+    return TiktokenTokenizer(path)
+  if isinstance(name_or_path, str) and os.path.isfile(name_or_path):
+    with open(name_or_path, "rb") as f:
+      head = f.read(64).lstrip()
+    if not head.startswith(b"{"):
+      return TiktokenTokenizer(name_or_path)
   if name_or_path == "default":
     path = DEFAULT_PATH
     if not os.path.isfile(path):

@@ -12,16 +12,22 @@ import ml_collections
 import numpy as np
 import pytest
 
-from k3train.data import pipeline, sources
+from k3train.data import documents, pipeline, sources
 from k3train.data import tokenizer as tokenizer_lib
+
+
+def make_encoder(seq_len=128):
+  return documents.DocumentEncoder(tokenizer_lib.load_tokenizer(), None,
+                                   documents.RowBudget(seq_len, 0, 0))
 
 SEQ_LEN = 128
 BATCH = 4
 
 
 def data_cfg(**overrides):
-  cfg = ml_collections.ConfigDict(dict(source="python_stdlib", tokenizer="default",
-                                       seq_len=SEQ_LEN, shuffle_seed=0, num_workers=0))
+  from configs import k3_tiny
+  cfg = k3_tiny.get_config().data
+  cfg.seq_len = SEQ_LEN
   cfg.update(overrides)
   return cfg
 
@@ -150,7 +156,7 @@ def test_bad_files_are_skipped_with_counted_warning(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     assert src[1] is None and src[1] is None
   assert src.num_skipped == 1 and caplog.text.count("skipping corpus file") == 1
-  assert pipeline.TokenizeDocument(tokenizer_lib.load_tokenizer()).map(src[1]) is None
+  assert len(make_encoder().map(src[1]).tokens) == 0
 
 
 def test_max_bytes_per_file_cuts_at_a_newline(tmp_path):
@@ -161,7 +167,7 @@ def test_max_bytes_per_file_cuts_at_a_newline(tmp_path):
 
 def test_unknown_source_and_tokenizer_names():
   with pytest.raises(ValueError, match="python_stdlib"):
-    pipeline.make_text_iterator(data_cfg(source="c4"), batch_size=BATCH, seed=0)
+    pipeline.make_text_iterator(data_cfg(sources=("c4",)), batch_size=BATCH, seed=0)
   with pytest.raises(ValueError, match="'default'"):
     pipeline.make_text_iterator(data_cfg(tokenizer="gpt9"), batch_size=BATCH, seed=0)
   with pytest.raises(ValueError, match="seq_len"):
@@ -210,7 +216,12 @@ def test_batches_have_documented_format(tok):
     check_batch(batch, tok.eos_id)
   seg = np.stack([b["segment_ids"] for b in batches])
   assert seg.max() >= 2  # Some rows hold several documents.
-  assert pipeline.padding_fraction(batches[0]) == 0.0
+  pad = np.mean([pipeline.padding_fraction(b) for b in batches])
+  assert 0.0 <= pad < 0.05, pad   # First-fit packing of row-sized pieces: little padding.
+  for b in batches:  # Padding only at the tail of a row.
+    for row in b["segment_ids"]:
+      real = np.nonzero(row)[0]
+      assert real.size == 0 or np.all(row[:real[-1] + 1] != 0)
   # Decoded rows are real library text.
   text = tok.decode(batches[0]["tokens"][0])
   assert any(w in text for w in ("def ", "import ", "class ", "return", "self", " = "))
@@ -273,26 +284,18 @@ def test_exact_resume_through_json(n):
 def test_set_state_rejects_other_pipelines_and_garbage():
   it = pipeline.make_text_iterator(data_cfg(), batch_size=BATCH, seed=1)
   state = it.get_state()
-  other = pipeline.make_text_iterator(data_cfg(seq_len=64), batch_size=BATCH, seed=1)
-  with pytest.raises(ValueError, match="config"):
+  other = pipeline.make_text_iterator(data_cfg(shuffle_seed=5), batch_size=BATCH, seed=1)
+  with pytest.raises(ValueError, match="shuffle_seed"):
     other.set_state(state)
+  two_hosts = pipeline.make_text_iterator(data_cfg(), batch_size=BATCH, seed=1, process_index=1,
+                                          process_count=2)
+  with pytest.raises(ValueError, match="all hosts"):
+    two_hosts.set_state(state)
   with pytest.raises(ValueError, match="get_state"):
     it.set_state({"next_index": 3})
 
 
 def test_hosts_read_disjoint_shards(tok):
-  docs = list(range(11))
-  shards = []
-  for p in range(2):
-    ds = pipeline.document_dataset(docs, seed=5, process_index=p, process_count=2)
-    epoch0 = [ds[i] for i in range(6 - p)]
-    epoch1 = [ds[i] for i in range(6 - p, 2 * (6 - p))]
-    assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1  # Reshuffled per epoch.
-    shards.append(set(epoch0))
-  assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == set(docs)
-  with pytest.raises(ValueError, match="fewer than"):
-    pipeline.document_dataset([0], seed=0, process_index=0, process_count=2)
-
   hosts = [take(pipeline.make_text_iterator(data_cfg(), batch_size=BATCH, seed=0,
                                             process_index=p, process_count=2), 5)
            for p in range(2)]
