@@ -90,3 +90,13 @@ def intra_all(q, k, v, g, beta, cnt_bt, *, scale: float, chunk: int):
   w, u = wu[..., :dk], wu[..., dk:]
   d = state_decay(gam, cnt_bt, chunk)
   return (_unchunks(a_qk), _unchunks(w), _unchunks(u), _unchunks(qg), _unchunks(kt), d)
+
+
+def gamma_to_g_grad(dgam_bthk: jax.Array, dd_bnhk1: jax.Array, d_bnhk1: jax.Array, chunk: int
+                    ) -> jax.Array:
+  """dg from dΓ (Γ = in-chunk cumsum of g) plus the state-decay cotangent dd (d = e^{Γ_C}):
+  dΓ_C += dd·d, then dg_r = Σ_{r' ≥ r in the chunk} dΓ_{r'}."""
+  b, t, h, dk = dgam_bthk.shape
+  dgam = dgam_bthk.reshape(b, t // chunk, chunk, h, dk)
+  dgam = dgam.at[:, :, -1].add(dd_bnhk1[..., 0] * d_bnhk1[..., 0])
+  return jnp.flip(jnp.cumsum(jnp.flip(dgam, 2), axis=2), 2).reshape(b, t, h, dk)

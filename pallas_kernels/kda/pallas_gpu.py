@@ -33,7 +33,7 @@ def block_v(dv: int) -> int:
 
 def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret):
   """Intra-chunk kernel over grid (B, N, H). Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V]
-  in q's dtype (the dots' operand dtype)."""
+  in q's dtype (the dots' operand dtype), then akk, inv [B,T,H,C] fp32 for the backward."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
@@ -44,12 +44,13 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret):
   tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
   kernel = functools.partial(kernels.intra_kernel, scale=scale, sub=SUB, mm_dtype=st)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (chunk, dk, dv, dk, dk)]
+  shapes += [jax.ShapeDtypeStruct((b, t, h, chunk), F32)] * 2
   return pl.pallas_call(
       kernel, grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
                 pl.BlockSpec((None, chunk, 1), lambda ib, ic, ih: (ib, ic, 0)),
                 pl.BlockSpec((None, None, 1, chunk), lambda ib, ic, ih: (ib, ic, 0, 0))],
-      out_specs=[tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)],
+      out_specs=[tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk), tok(chunk), tok(chunk)],
       out_shape=shapes, interpret=interpret,
       compiler_params=None if interpret else _params(8, 1),
   )(q, k, v, gam, beta4, cnt_col, cnt_row)
@@ -161,3 +162,26 @@ def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):
          jax.ShapeDtypeStruct((b, n, h, dk, 1), F32)],
       interpret=interpret, compiler_params=None if interpret else _params(8, 1),
   )(hs, dhs, delta, ddelta, do)
+
+
+def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, *, scale, chunk,
+              interpret):
+  """Intra-chunk backward over grid (B, N, H); see kernels.intra_bwd_kernel. Returns fp32
+  dq, dk [B,T,H,K], dv [B,T,H,V], dbeta [B,T,H,1], dgam [B,T,H,K]."""
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  n = t // chunk
+  tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
+  kernel = functools.partial(kernels.intra_bwd_kernel, scale=scale, sub=SUB, mm_dtype=q.dtype)
+  return pl.pallas_call(
+      kernel, grid=(b, n, h),
+      in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
+                pl.BlockSpec((None, chunk, 1), lambda ib, ic, ih: (ib, ic, 0)),
+                pl.BlockSpec((None, None, 1, chunk), lambda ib, ic, ih: (ib, ic, 0, 0)),
+                tok(chunk), tok(chunk), tok(dk), tok(dv),
+                tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)],
+      out_specs=[tok(dk), tok(dk), tok(dv), tok(1), tok(dk)],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, d), F32) for d in (dk, dk, dv, 1, dk)],
+      interpret=interpret, compiler_params=None if interpret else _params(8, 1),
+  )(q, k, v, gam, beta[..., None], cnt[..., None], cnt.reshape(b, n, 1, chunk), akk, inv, w, u,
+    daqk, dw, du, dqg, dkt)

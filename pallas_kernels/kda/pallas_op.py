@@ -5,7 +5,9 @@ Forward:  intra-chunk kernel (A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk,
           final state and, for the backward, the entering state of every chunk and Δ).
 Backward: reverse state kernel (dS per chunk and dΔ = A_qkᵀ dO + Kt dS')
           → chunk kernel (dQg, dW, dKt, dA_qk, dd from S, dS', Δ, dΔ, dO)
-          → the intra-chunk part's VJP, taken from its jnp definition (`intra.intra_all`).
+          → intra-chunk backward kernel (WY solve and score gradients; its jnp twin is the VJP
+            of `intra.intra_all`, which the tests compare it with) → dg = in-chunk reverse
+            cumsum of dΓ.
 The recurrence is never differentiated. `platform` picks the launchers (pallas_gpu / pallas_tpu).
 """
 
@@ -35,11 +37,11 @@ def _forward(q, k, v, g, beta, s0, cnt, *, scale, chunk, platform, interpret, sa
   mod = _launchers(platform)
   gam = intra_lib.chunk_cumsum(g, chunk)
   d = intra_lib.state_decay(gam, cnt, chunk)
-  aqk, w, u, qg, kt = mod.intra(q, k, v, gam, beta.astype(F32), cnt, scale=scale, chunk=chunk,
-                                interpret=interpret)
+  aqk, w, u, qg, kt, akk, inv = mod.intra(q, k, v, gam, beta.astype(F32), cnt, scale=scale,
+                                          chunk=chunk, interpret=interpret)
   outs = mod.state_fwd(qg, kt, w, u, aqk, d, s0.astype(F32), chunk=chunk, save=save,
                        interpret=interpret)
-  return outs, (aqk, w, qg, kt, d)
+  return outs, (aqk, w, u, qg, kt, akk, inv, gam, d)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
@@ -53,24 +55,26 @@ def kda_pallas(q, k, v, g, beta, s0, cnt, scale, chunk, platform, interpret):
 
 
 def _fwd(q, k, v, g, beta, s0, cnt, scale, chunk, platform, interpret):
-  (o, sf, hs, delta), (aqk, w, qg, kt, d) = _forward(
+  (o, sf, hs, delta), inter = _forward(
       q, k, v, g, beta, s0, cnt, scale=scale, chunk=chunk, platform=platform,
       interpret=interpret, save=True)
-  return (o, sf), (q, k, v, g, beta, cnt, aqk, w, qg, kt, d, hs, delta)
+  return (o, sf), (q, k, v, g, beta, cnt, hs, delta) + inter
 
 
 def _bwd(scale, chunk, platform, interpret, res, cts):
-  q, k, v, g, beta, cnt, aqk, w, qg, kt, d, hs, delta = res
+  q, k, v, g, beta, cnt, hs, delta, aqk, w, u, qg, kt, akk, inv, gam, d = res
   do, dsf = cts
   mod = _launchers(platform)
   ds0, dhs, ddelta = mod.state_bwd(do.astype(F32), dsf.astype(F32), qg, kt, w, aqk, d,
                                    chunk=chunk, interpret=interpret)
   dqg, dw, dkt, daqk, dd = mod.chunk_bwd(hs, dhs, delta, ddelta, do.astype(F32), chunk=chunk,
                                          interpret=interpret)
-  intra_fn = functools.partial(intra_lib.intra_all, scale=scale, chunk=chunk)
-  _, vjp = jax.vjp(lambda *a: intra_fn(*a, cnt), q, k, v, g, beta)
-  dq, dk, dv, dg, dbeta = vjp((daqk, dw, ddelta, dqg, dkt, dd))
-  return dq, dk, dv, dg, dbeta, ds0, jnp.zeros_like(cnt)
+  dq, dk, dv, dbeta, dgam = mod.intra_bwd(
+      q, k, v, gam, beta.astype(F32), cnt, akk, inv, w, u, daqk, dw, ddelta, dqg, dkt,
+      scale=scale, chunk=chunk, interpret=interpret)
+  dg = intra_lib.gamma_to_g_grad(dgam, dd, d, chunk)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
+          dbeta[..., 0].astype(beta.dtype), ds0, jnp.zeros_like(cnt))
 
 
 kda_pallas.defvjp(_fwd, _bwd)

@@ -50,8 +50,9 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret):
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
                 pl.BlockSpec((None, chunk, 1), lambda ib, ih, ic: (ib, ic, 0)),
                 pl.BlockSpec((None, None, 1, chunk), lambda ib, ih, ic: (ib, ic, 0, 0))],
-      out_specs=[tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)],
-      out_shape=[jax.ShapeDtypeStruct((b, h, t, d), st) for d in (chunk, dk, dv, dk, dk)],
+      out_specs=[tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk), tok(chunk), tok(chunk)],
+      out_shape=[jax.ShapeDtypeStruct((b, h, t, d), st) for d in (chunk, dk, dv, dk, dk)]
+      + [jax.ShapeDtypeStruct((b, h, t, chunk), F32)] * 2,
       interpret=interpret, compiler_params=_params("parallel", "parallel", "parallel"),
   )(_hm(q), _hm(k), _hm(v), _hm(gam), _hm(beta[..., None]), cnt[..., None],
     cnt.reshape(b, n, 1, chunk))
@@ -180,4 +181,27 @@ def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):
          jax.ShapeDtypeStruct((b, h, n, dk, 1), F32)],
       interpret=interpret, compiler_params=_params("parallel", "parallel", "parallel"),
   )(_hm(hs), _hm(dhs), _hm(delta), _hm(ddelta), _hm(do))
+  return tuple(_hm(x) for x in outs)
+
+
+def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, *, scale, chunk,
+              interpret):
+  """Same contract as pallas_gpu.intra_bwd; grid (B, H, N), all parallel."""
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  n = t // chunk
+  tok = lambda d: pl.BlockSpec((None, None, chunk, d), lambda ib, ih, ic: (ib, ih, ic, 0))
+  kernel = functools.partial(kernels.intra_bwd_kernel, scale=scale, sub=SUB, mm_dtype=q.dtype)
+  outs = pl.pallas_call(
+      kernel, grid=(b, h, n),
+      in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
+                pl.BlockSpec((None, chunk, 1), lambda ib, ih, ic: (ib, ic, 0)),
+                pl.BlockSpec((None, None, 1, chunk), lambda ib, ih, ic: (ib, ic, 0, 0)),
+                tok(chunk), tok(chunk), tok(dk), tok(dv),
+                tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)],
+      out_specs=[tok(dk), tok(dk), tok(dv), tok(1), tok(dk)],
+      out_shape=[jax.ShapeDtypeStruct((b, h, t, d), F32) for d in (dk, dk, dv, 1, dk)],
+      interpret=interpret, compiler_params=_params("parallel", "parallel", "parallel"),
+  )(*(_hm(x) for x in (q, k, v, gam, beta[..., None])), cnt[..., None],
+    cnt.reshape(b, n, 1, chunk), *(_hm(x) for x in (akk, inv, w, u, daqk, dw, du, dqg, dkt)))
   return tuple(_hm(x) for x in outs)
