@@ -32,7 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   k.conv_size = 4
   k.gate_lower_bound = -5.0
   k.chunk_size = 64
-  k.backend = "jax"               # see pallas_kernels.kda: reference | jax | pallas_gpu | pallas_tpu | auto
+  k.backend = "auto"              # see pallas_kernels.kda: reference | jax | pallas_gpu | pallas_tpu | auto
 
   a = m.mla = ml_collections.ConfigDict()
   a.num_heads = 96
