@@ -1,0 +1,229 @@
+"""KDA chunk kernels on one GPU: correctness vs the reference, then timings vs fla's chunk_kda.
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_kernel.py [--shapes=2x8192x16,1x8192x96]
+
+1. Checks (printed as max abs errors): pallas_gpu against the fp32 token recurrence ("reference")
+   on a ragged T with mid-chunk segment resets and a non-zero initial state, in fp32 (IEEE dots)
+   and in bf16 (reference run in fp32 on the same bf16-rounded inputs): outputs, final state and
+   gradients wrt q, k, v, g, beta, initial_state. Also the "jax" backend, and fla's chunk_kda on
+   the same bf16 inputs without segments, for scale.
+2. Timings at each B×T×H (K = V = 128, bf16 q/k/v/beta, fp32 g from the lower-bound gate
+   −5σ(·), unit-norm q/k, no initial state, no final state): forward and forward+backward
+   (gradients wrt q, k, v, g, beta) for fla 0.6.0 chunk_kda (torch + triton) and our
+   "pallas_gpu" and "jax" backends, all in this one process. Each timing: warm-up, then the
+   median of 5 repeats of a 10-call loop (CUDA events for torch, block_until_ready for JAX).
+Prints one table at the end; pass --json to also dump the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.kda import kda  # noqa: E402
+
+K = V = 128
+
+
+def _inputs(rng, b, t, h, dtype):
+  """Model-like KDA inputs as numpy fp32 (q/k unit-norm, g = −5σ(·), β = σ(·))."""
+  n = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  sig = lambda x: 1 / (1 + np.exp(-x))
+  q = n(rng.standard_normal((b, t, h, K))).astype(np.float32)
+  k = n(rng.standard_normal((b, t, h, K))).astype(np.float32)
+  v = rng.standard_normal((b, t, h, V)).astype(np.float32)
+  g = (-5 * sig(rng.standard_normal((b, t, h, K)) - 1.0)).astype(np.float32)
+  beta = sig(rng.standard_normal((b, t, h))).astype(np.float32)
+  if dtype == "bf16":  # round the bf16 tensors once so every path sees the same values
+    rnd = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    q, k, v, beta = map(rnd, (q, k, v, beta))
+  return q, k, v, g, beta
+
+
+def _err(a, b):
+  return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def check(lines, skip=frozenset()):
+  """Correctness on the GPU against the fp32 recurrence; appends report lines."""
+  rng = np.random.default_rng(0)
+  b, t, h = 2, 1000, 2
+  seg = np.stack([np.repeat([0, 1, 2], [300, 21, 679]), np.repeat([4, 5], [777, 223])])
+  s0 = rng.standard_normal((b, h, K, V)).astype(np.float32) * 0.5
+  w_o = jnp.asarray(rng.standard_normal((b, t, h, V)), jnp.float32)
+  w_s = jnp.asarray(rng.standard_normal((b, h, K, V)), jnp.float32)
+  for dtype in ("fp32", "bf16"):
+    q, k, v, g, beta = _inputs(rng, b, t, h, dtype)
+    jdt = jnp.float32 if dtype == "fp32" else jnp.bfloat16
+
+    def run_grads(backend, cast):
+      args = (jnp.asarray(q, cast), jnp.asarray(k, cast), jnp.asarray(v, cast), jnp.asarray(g),
+              jnp.asarray(beta, cast), jnp.asarray(s0))
+
+      def loss(q, k, v, g, beta, s0):
+        o, s = kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, output_final_state=True,
+                   backend=backend)
+        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s), (o, s)
+
+      (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))(*args)
+      return o, s, grads
+
+    o_r, s_r, g_r = run_grads("reference", jnp.float32)
+    for backend in ("pallas_gpu", "jax"):
+      if backend in skip:
+        continue
+      try:
+        o, s, gr = run_grads(backend, jdt)
+        errs = [_err(o, o_r), _err(s, s_r)] + [_err(x, y) for x, y in zip(gr, g_r)]
+        scale = [_err(o_r, 0), _err(s_r, 0)] + [_err(y, 0) for y in g_r]
+        lines.append(f"check {dtype:4s} {backend:10s} max|err| o {errs[0]:.2e} S {errs[1]:.2e} "
+                     + " ".join(f"d{n} {e:.2e}" for n, e in zip(
+                         ("q", "k", "v", "g", "beta", "S0"), errs[2:]))
+                     + "  (max|ref| " + " ".join(f"{x:.1f}" for x in scale) + ")")
+      except Exception:  # keep measuring the rest; the failure is in the log
+        lines.append(f"check {dtype} {backend} FAILED: {traceback.format_exc()[-800:]}")
+      print(lines[-1], flush=True)
+    if dtype == "bf16" and "fla_check" not in skip:
+      _check_fla(lines, q, k, v, g, beta, s0)
+
+
+def _check_fla(lines, q, k, v, g, beta, s0):
+  """fla's own bf16 error on the same inputs (no segments: fla packs those differently)."""
+  try:
+    import torch
+    from fla.ops.kda import chunk_kda
+    o_r, s_r = kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(s0),
+                   output_final_state=True, backend="reference")
+    tt = lambda x, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(x)).cuda().to(dt)
+    o, s = chunk_kda(tt(q), tt(k), tt(v), tt(g, torch.float32), tt(beta),
+                     initial_state=tt(s0, torch.float32), output_final_state=True)
+    lines.append(f"check bf16 fla        max|err| o {_err(o.float().cpu().numpy(), o_r):.2e} "
+                 f"S {_err(s.float().cpu().numpy(), s_r):.2e} (no segments)")
+  except Exception:
+    lines.append(f"check fla FAILED: {traceback.format_exc()[-800:]}")
+  print(lines[-1], flush=True)
+
+
+def _median_ms(run_loop, reps=5):
+  return statistics.median(run_loop() for _ in range(reps))
+
+
+def time_jax(backend, arrays, reps=10):
+  """(fwd ms, fwd+bwd ms) of our op with `backend`."""
+  q, k, v, g, beta = arrays
+  do = jnp.ones_like(v)
+  fwd = jax.jit(lambda q, k, v, g, beta: kda(q, k, v, g, beta, backend=backend)[0])
+
+  def loss(q, k, v, g, beta):
+    return jnp.sum(kda(q, k, v, g, beta, backend=backend)[0].astype(jnp.float32) * do)
+
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=range(5)))
+  out = []
+  for fn in (fwd, fwd_bwd):
+    jax.block_until_ready(fn(*arrays))
+
+    def loop():
+      start = time.perf_counter()
+      for _ in range(reps):
+        r = fn(*arrays)
+      jax.block_until_ready(r)
+      return (time.perf_counter() - start) / reps * 1e3
+
+    loop()
+    out.append(_median_ms(loop))
+  return out
+
+
+def time_fla(np_inputs, reps=10):
+  import torch
+  from fla.ops.kda import chunk_kda
+  q, k, v, g, beta = np_inputs
+  tt = lambda x, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(x)).cuda().to(dt)
+  qt, kt, vt, bt = (tt(x).requires_grad_() for x in (q, k, v, beta))
+  gt = tt(g, torch.float32).requires_grad_()
+  do = torch.ones_like(vt)
+
+  def fwd():
+    with torch.no_grad():
+      return chunk_kda(qt, kt, vt, gt, bt)[0]
+
+  def fwd_bwd():
+    o = chunk_kda(qt, kt, vt, gt, bt)[0]
+    o.backward(do)
+    for x in (qt, kt, vt, gt, bt):
+      x.grad = None
+
+  out = []
+  for fn in (fwd, fwd_bwd):
+    for _ in range(3):
+      fn()
+    torch.cuda.synchronize()
+
+    def loop():
+      s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      s.record()
+      for _ in range(reps):
+        fn()
+      e.record()
+      torch.cuda.synchronize()
+      return s.elapsed_time(e) / reps
+
+    out.append(_median_ms(loop))
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shapes", default="2x8192x16,1x8192x96")
+  ap.add_argument("--skip", default="", help="comma list of: check,fla_check,fla,pallas_gpu,jax")
+  ap.add_argument("--json", default="")
+  a = ap.parse_args()
+  skip = set(filter(None, a.skip.split(",")))
+  lines = [f"jax {jax.__version__} devices {jax.devices()}"]
+  try:
+    import torch
+    import triton
+    lines.append(f"torch {torch.__version__} triton {triton.__version__} "
+                 f"gpu {torch.cuda.get_device_name()}")
+  except Exception as e:  # torch is only needed for the fla baseline
+    lines.append(f"torch unavailable: {e}")
+  print("\n".join(lines), flush=True)
+  if "check" not in skip:
+    check(lines, skip)
+  results = {}
+  rng = np.random.default_rng(1)
+  for shape in a.shapes.split(","):
+    b, t, h = map(int, shape.split("x"))
+    np_in = _inputs(rng, b, t, h, "bf16")
+    arrays = tuple(jnp.asarray(x, jnp.float32 if i == 3 else jnp.bfloat16)
+                   for i, x in enumerate(np_in))
+    for name in ("fla", "pallas_gpu", "jax"):
+      if name in skip:
+        continue
+      try:
+        res = time_fla(np_in) if name == "fla" else time_jax(name, arrays)
+        results[(shape, name)] = res
+        line = f"time {shape:12s} {name:10s} fwd {res[0]:8.3f} ms  fwd+bwd {res[1]:8.3f} ms"
+      except Exception:
+        line = f"time {shape} {name} FAILED: {traceback.format_exc()[-1500:]}"
+      lines.append(line)
+      print(line, flush=True)
+  print("\n==== summary ====\n" + "\n".join(lines))
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({f"{s}/{n}": r for (s, n), r in results.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
