@@ -15,7 +15,7 @@ from flax import nnx
 
 from k3train.model import axes as ax
 from k3train.model import layers
-from pallas_kernels.kda import kda as kda_op
+from k3train.parallel import sequence as seq_parallel
 
 L2_EPS = 1e-6
 
@@ -100,7 +100,7 @@ class KimiDeltaAttention(nnx.Module):
   def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
     act = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     def branch(proj, conv):
-      y = causal_conv(proj(x_btd), conv[...], segment_ids_bt)
+      y = seq_parallel.causal_conv(proj(x_btd), conv[...], segment_ids_bt, causal_conv)
       return ax.constrain(jax.nn.silu(y), *act)
     q = l2_normalize(branch(self.q_proj, self.q_conv))
     k = l2_normalize(branch(self.k_proj, self.k_conv))
@@ -108,8 +108,8 @@ class KimiDeltaAttention(nnx.Module):
     beta = jax.nn.sigmoid(self.b_proj(x_btd).astype(jnp.float32))                  # [B, T, H]
     z = self.f_b_proj(self.f_a_proj(x_btd)).astype(jnp.float32) + self.dt_bias[...]
     g = lower_bound_gate(z, self.A_log[...], self.lower_bound)                      # [B, T, H, K]
-    o, _ = kda_op(q.astype(self.dtype), k.astype(self.dtype), v, g, beta,
-                  segment_ids=segment_ids_bt, chunk_size=self.chunk_size, backend=self.backend)
+    o = seq_parallel.kda(q.astype(self.dtype), k.astype(self.dtype), v, g, beta, segment_ids_bt,
+                         chunk_size=self.chunk_size, backend=self.backend)
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(self.g_proj(x_btd).astype(jnp.float32))
     o = ax.constrain(o.astype(self.dtype), *act)
     return self.o_proj(o)

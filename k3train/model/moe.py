@@ -31,6 +31,7 @@ from flax import nnx
 
 from k3train.model import axes as ax
 from k3train.model.layers import GluMLP, Linear, RMSNorm, normal_init, param, situ_glu
+from k3train.parallel import expert as expert_parallel
 from pallas_kernels import moe as moe_ops
 
 
@@ -191,16 +192,20 @@ class RoutedExperts(nnx.Module):
     self.down = param(rngs, init, (num_experts, hidden, latent_dim),
                       (ax.EXPERTS, ax.EXPERT_MLP, ax.LATENT), param_dtype)
 
+  def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(gate [E, ℓ, F], up [E, ℓ, F], down [E, F, ℓ]) as arrays (for the expert-parallel op)."""
+    return self.gate.get_value(), self.up.get_value(), self.down.get_value()
+
+  def apply(self, x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl) -> jax.Array:
+    """The expert MLP on rows grouped by expert, with explicit (possibly device-local) weights."""
+    x_ml = x_sorted_ml.astype(self.dtype)
+    mm = lambda a, w: moe_ops.gmm(a, w.astype(self.dtype), group_sizes_e, backend=self.backend)
+    h_mf = situ_glu(mm(x_ml, gate_elf), mm(x_ml, up_elf), self.beta, self.linear_beta)
+    return mm(h_mf, down_efl)
+
   def __call__(self, x_sorted_ml: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
     """x_sorted_ml [M, ℓ] grouped by expert, group_sizes_e [E] → y_sorted_ml [M, ℓ] (dtype)."""
-    x_ml = x_sorted_ml.astype(self.dtype)
-    gate_mf = moe_ops.gmm(x_ml, self.gate.get_value().astype(self.dtype), group_sizes_e,
-                          backend=self.backend)
-    up_mf = moe_ops.gmm(x_ml, self.up.get_value().astype(self.dtype), group_sizes_e,
-                        backend=self.backend)
-    h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta)
-    return moe_ops.gmm(h_mf, self.down.get_value().astype(self.dtype), group_sizes_e,
-                       backend=self.backend)
+    return self.apply(x_sorted_ml, group_sizes_e, *self.weights())
 
   def all_experts(self, x_nl: jax.Array) -> jax.Array:
     """Dense: every expert on every token, x_nl [N, ℓ] → y_nel [N, E, ℓ]. For references.
@@ -298,10 +303,12 @@ class StableLatentMoE(nnx.Module):
     self._record_routing_stats(scores_ne, idx_nk, real_n)
 
     x_nl = self.down_proj(x_nd)
-    x_sorted_pl, group_sizes_e, perm_p = moe_ops.dispatch(x_nl, idx_nk, self.num_experts)
-    y_sorted_pl = self.experts(x_sorted_pl, group_sizes_e)
-    r_nl = moe_ops.combine(y_sorted_pl, weights_nk, perm_p)
-    return self._finish(r_nl, x_btd)
+    # Dispatch → experts → combine; over the `expert` mesh axis when a layout is active.
+    r_btl = expert_parallel.routed_experts(
+        x_nl.reshape(b, t, -1), weights_nk.reshape(b, t, -1), idx_nk.reshape(b, t, -1),
+        num_experts=self.num_experts, expert_fn=self.experts.apply,
+        expert_weights=self.experts.weights())
+    return self._finish(r_btl.reshape(b * t, -1), x_btd)
 
 
 def moe_dense_reference(moe: StableLatentMoE, x_btd: jax.Array) -> jax.Array:

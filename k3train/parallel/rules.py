@@ -26,7 +26,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3train.model import axes as ax
-from k3train.parallel.mesh import MESH_AXES, MeshError, axis_size
+from k3train.parallel.mesh import MESH_AXES, MeshError, axis_size  # noqa: F401 (re-exported)
 
 Rules = Mapping[str, tuple[str, ...]]
 
@@ -101,16 +101,26 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], rules: Rules, me
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "k3train_parallel_layout", default=None)
+_OPTIONS: contextvars.ContextVar[dict] = contextvars.ContextVar("k3train_parallel_options", default={})
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules):
-  """Within this block (at trace time) `constrain` and the parallel ops use `mesh` and `rules`."""
-  token = _ACTIVE.set((mesh, rules))
+def activate(mesh: Mesh, rules: Rules, **options):
+  """Within this block (at trace time) `constrain` and the parallel ops use `mesh` and `rules`.
+
+  options: layout choices for the parallel ops, e.g. expert_exchange="ragged".
+  """
+  token, opt_token = _ACTIVE.set((mesh, rules)), _OPTIONS.set(dict(options))
   try:
     yield
   finally:
     _ACTIVE.reset(token)
+    _OPTIONS.reset(opt_token)
+
+
+def option(name: str, default):
+  """A layout option given to the enclosing `activate` block."""
+  return _OPTIONS.get().get(name, default)
 
 
 def active() -> tuple[Mesh, Rules] | None:

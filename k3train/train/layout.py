@@ -97,7 +97,7 @@ def jit_train_step(graphdef, optimizer, cfg: ml_collections.ConfigDict, layout: 
                          mla_nope_dim=cfg.model.mla.qk_nope_head_dim)
 
   def sharded_step(state, batch):
-    with rules_lib.activate(layout.mesh, layout.rules):
+    with rules_lib.activate(layout.mesh, layout.rules, expert_exchange=cfg.parallel.expert_exchange):
       return step(state, batch)
 
   batch_sh = {k: layout.batch for k in state_sharding.BATCH_KEYS_2D}

@@ -183,6 +183,26 @@ def test_gradients_match_recurrent_fp64():
       assert max_err(g_chunk, g_ref) <= 1e-9, name
 
 
+@pytest.mark.parametrize("b, t, h", [(1, 64, 2), (2, 64, 1), (2, 16, 2)])
+def test_gradients_with_unit_batch_head_or_chunk_count_fp32(b, t, h):
+  # Shapes where some but not all of (B, H, T/chunk) are 1 (one sequence shard's worth of a
+  # sharded batch): the op pads them on XLA:CPU, which otherwise crashes; values must not change.
+  inputs = tuple(jnp.asarray(x, jnp.float32) for x in make_inputs(11, b=b, t=t, h=h, dk=8, dv=8))
+  rng = np.random.default_rng(3)
+  w_o = jnp.asarray(rng.standard_normal((b, t, h, 8)), jnp.float32)
+
+  def grads(backend):
+    def loss(*args):
+      o, s = run(args, backend, chunk_size=16)
+      return jnp.sum(o * w_o) + jnp.sum(s)
+    return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*inputs)
+
+  for name, g_ref, g_chunk in zip(("q", "k", "v", "g", "beta", "initial_state"),
+                                  grads("reference"), grads("jax")):
+    assert g_chunk.shape == g_ref.shape, name
+    assert max_err(g_chunk, g_ref) <= 1e-4, name
+
+
 # ----------------------------------------------------------------------------------------------
 # Delta rule, no-op tokens, segments, decode
 

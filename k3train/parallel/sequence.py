@@ -1,0 +1,123 @@
+"""KDA under a mesh: local chunk scans in `shard_map`, with state passing over the `sequence` axis.
+
+Without an active layout these are the single-device ops. Under one, the KDA recurrence runs in a
+`shard_map` (batch over the data axes, heads over `tensor`, time over `sequence`), so XLA never
+partitions the chunk scan itself. With the sequence axis of size P > 1 (k3-math §1.6):
+
+  1. each rank folds its chunks into one affine map of the entering state, S_out = M S_in + B,
+     in a single pass of the op: initial state [I | 0] and values [0 | v] give final [M | B]
+     (a document start inside the rank makes M = 0 and B the state since that start);
+  2. the (M, B) pairs and the first/last segment ids of every rank are all-gathered;
+  3. rank r folds ranks j < r in order (a state crosses from j to j+1 only if the document
+     continues) and runs the op again from that entering state for its outputs.
+
+The short conv gets the previous rank's last W−1 pre-conv inputs (and their segment ids) by
+`ppermute`, so the conv history also resets at document starts that fall on a rank boundary.
+Gradients flow through the op's own VJP and the transposed collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3train.model import axes as ax
+from k3train.parallel import rules as rules_lib
+from pallas_kernels.kda import kda as kda_op
+
+
+def _spec(*axes_per_dim) -> P:
+  return P(*[(a[0] if len(a) == 1 else a) if a else None for a in axes_per_dim])
+
+
+def _layout_specs():
+  """(mesh, batch axes, seq axes, head axes) under the active layout, or None."""
+  layout = rules_lib.active()
+  if layout is None:
+    return None
+  b_axes, t_axes, h_axes = rules_lib.mesh_axes_of((ax.BATCH, ax.SEQ, ax.HEADS))
+  return layout[0], b_axes, t_axes, h_axes
+
+
+def _previous_rank(x, axis: tuple[str, ...], size: int):
+  """x of rank r − 1 on rank r (zeros on rank 0), by one ppermute over `axis`."""
+  return jax.lax.ppermute(x, axis, perm=[(i, i + 1) for i in range(size - 1)])
+
+
+def causal_conv(x_bthk: jax.Array, w_whk: jax.Array, segment_ids_bt: jax.Array | None,
+                conv_fn) -> jax.Array:
+  """`conv_fn(x, w, segment_ids)` (the layer's depthwise causal conv) with a sequence halo."""
+  spec = _layout_specs()
+  if spec is None or not spec[2]:
+    return conv_fn(x_bthk, w_whk, segment_ids_bt)
+  mesh, b_axes, t_axes, h_axes = spec
+  width = w_whk.shape[0]
+  size = rules_lib.axis_size(mesh, t_axes)
+  t_local = x_bthk.shape[1] // size
+  if t_local < width - 1:
+    raise ValueError(f"sequence parallelism: {t_local} tokens per `sequence` shard is fewer than "
+                     f"the conv halo ({width - 1}); use a longer data.seq_len or fewer shards")
+  if segment_ids_bt is None:
+    segment_ids_bt = jnp.ones(x_bthk.shape[:2], jnp.int32)
+
+  def local(x, w, seg):
+    r = jax.lax.axis_index(t_axes)
+    halo_x = _previous_rank(x[:, -(width - 1):], t_axes, size)
+    halo_seg = jnp.where(r == 0, -1, _previous_rank(seg[:, -(width - 1):], t_axes, size))
+    y = conv_fn(jnp.concatenate([halo_x, x], axis=1), w, jnp.concatenate([halo_seg, seg], axis=1))
+    return y[:, width - 1:]
+
+  x_spec = _spec(b_axes, t_axes, h_axes, ())
+  return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, _spec((), h_axes, ()), _spec(b_axes, t_axes)),
+                       out_specs=x_spec, check_vma=False)(x_bthk, w_whk, segment_ids_bt)
+
+
+def _entering_states(m_bhkk, b_bhkv, seg_first_b, seg_last_b, axis, size: int):
+  """State entering this rank: fold (M_j, B_j) of ranks j < r, resetting at document starts."""
+  r = jax.lax.axis_index(axis)
+  ms = jax.lax.all_gather(m_bhkk, axis)            # [P, B, H, K, K]
+  bs = jax.lax.all_gather(b_bhkv, axis)            # [P, B, H, K, V]
+  firsts = jax.lax.all_gather(seg_first_b, axis)   # [P, B]
+  lasts = jax.lax.all_gather(seg_last_b, axis)
+  s = jnp.zeros_like(b_bhkv)
+  entering = jnp.zeros_like(b_bhkv)
+  for j in range(size - 1):                         # state entering rank j + 1
+    s = jnp.einsum("bhkl,bhlv->bhkv", ms[j], s, precision=jax.lax.Precision.HIGHEST) + bs[j]
+    continues = (firsts[j + 1] == lasts[j])[:, None, None, None]
+    s = jnp.where(continues, s, 0.0)
+    entering = jnp.where(r == j + 1, s, entering)
+  return entering
+
+
+def kda(q, k, v, g, beta, segment_ids_bt, *, chunk_size: int, backend: str) -> jax.Array:
+  """Outputs [B, T, H, V] of `pallas_kernels.kda.kda` (zero initial state) under the active layout."""
+  spec = _layout_specs()
+  op = functools.partial(kda_op, chunk_size=chunk_size, backend=backend)
+  if spec is None:
+    return op(q, k, v, g, beta, segment_ids=segment_ids_bt)[0]
+  mesh, b_axes, t_axes, h_axes = spec
+  if segment_ids_bt is None:
+    segment_ids_bt = jnp.ones(q.shape[:2], jnp.int32)
+  size = rules_lib.axis_size(mesh, t_axes)
+
+  def local(q, k, v, g, beta, seg):
+    if size == 1:
+      return op(q, k, v, g, beta, segment_ids=seg)[0]
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    # One pass for the rank's affine map: initial [I | 0], values [0 | v] → final [M | B].
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, h, dk, dk))
+    s0 = jnp.concatenate([eye, jnp.zeros((b, h, dk, dv), jnp.float32)], axis=-1)
+    v_ext = jnp.concatenate([jnp.zeros(q.shape[:3] + (dk,), v.dtype), v], axis=-1)
+    _, mb = op(q, k, v_ext, g, beta, initial_state=s0, segment_ids=seg, output_final_state=True)
+    s_in = _entering_states(mb[..., :dk], mb[..., dk:], seg[:, 0], seg[:, -1], t_axes, size)
+    return op(q, k, v, g, beta, initial_state=s_in, segment_ids=seg)[0]
+
+  x_spec = _spec(b_axes, t_axes, h_axes, ())
+  return jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(x_spec, x_spec, x_spec, x_spec, _spec(b_axes, t_axes, h_axes), _spec(b_axes, t_axes)),
+      out_specs=x_spec, check_vma=False)(q, k, v, g, beta, segment_ids_bt)
