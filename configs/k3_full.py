@@ -55,7 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
   e.renormalize = True
   e.latent_norm = True
   e.quantile_balancing = True
-  e.backend = "ragged_dot"        # see pallas_kernels.moe: reference | ragged_dot
+  e.backend = "auto"              # pallas_kernels.moe: auto (pallas_gpu on GPU, else ragged_dot)
 
   r = m.attn_res = ml_collections.ConfigDict()
   r.block_size = 12               # decoder layers per AttnRes block

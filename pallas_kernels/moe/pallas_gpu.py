@@ -1,0 +1,58 @@
+"""The "pallas_gpu" gmm backend: Mosaic GPU kernels (mgpu.py) behind a custom_vjp.
+
+Forward: gmm_mgpu(lhs, rhs). Backward (ragged_dot's own rules): dlhs = gmm of the cotangent with
+rhs[g]ᵀ (the same kernel, transposed B operand), drhs = tgmm(lhs, cotangent) per group. Inputs
+are cast to their promoted dtype first (the kernels take one dtype); the result has that dtype.
+Shapes the kernels cannot tile (see mgpu.py) raise ValueError; "auto" routes those to ragged_dot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe.mgpu import MgpuConfig, gmm_mgpu, tgmm_mgpu
+
+DEFAULT_CONFIG = MgpuConfig()
+
+
+def supports(lhs_shape, rhs_shape, dtype, config: MgpuConfig = DEFAULT_CONFIG) -> bool:
+  """Whether the kernels tile these shapes (fwd, dlhs and drhs) and this dtype."""
+  _, k = lhs_shape
+  _, _, n = rhs_shape
+  cta_n = 2 * config.tile_n
+  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and k % config.tile_k == 0 and n % config.tile_k == 0
+          and n % cta_n == 0 and k % cta_n == 0 and k % config.tile_m == 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(lhs_mk, rhs_gkn, group_sizes_g, config, interpret):
+  return gmm_mgpu(lhs_mk, rhs_gkn, group_sizes_g, config=config, interpret=interpret)
+
+
+def _gmm_fwd(lhs_mk, rhs_gkn, group_sizes_g, config, interpret):
+  out = gmm_mgpu(lhs_mk, rhs_gkn, group_sizes_g, config=config, interpret=interpret)
+  return out, (lhs_mk, rhs_gkn, group_sizes_g)
+
+
+def _gmm_bwd(config, interpret, res, dout_mn):
+  lhs_mk, rhs_gkn, group_sizes_g = res
+  dout_mn = dout_mn.astype(lhs_mk.dtype)
+  dlhs_mk = gmm_mgpu(dout_mn, rhs_gkn, group_sizes_g, transpose_rhs=True, config=config,
+                     interpret=interpret)
+  drhs_gkn = tgmm_mgpu(lhs_mk, dout_mn, group_sizes_g, config=config, interpret=interpret)
+  return dlhs_mk, drhs_gkn, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def gmm_pallas_gpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Array, *,
+                   config: MgpuConfig = DEFAULT_CONFIG, interpret: bool = False) -> jax.Array:
+  """ragged_dot(lhs, rhs, group_sizes) on the Mosaic GPU kernels, differentiable in lhs and rhs."""
+  dtype = jnp.result_type(lhs_mk.dtype, rhs_gkn.dtype)
+  return _gmm(lhs_mk.astype(dtype), rhs_gkn.astype(dtype), group_sizes_g.astype(jnp.int32),
+              config, interpret)

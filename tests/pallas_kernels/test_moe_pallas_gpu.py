@@ -1,0 +1,113 @@
+"""pallas_gpu gmm backend (Mosaic GPU kernels) on CPU, in Pallas' GPU interpret mode.
+
+The interpreter runs the same kernel code as the GPU (warp-specialised pipeline, TMA copies,
+wgmma, the ragged TMA-store ladder, the tgmm boundary masking) with tiny tiles. jax 0.10.2's
+interpreter lacks transposed wgmma operands; mgpu_interpret_shim adds them (test-only). The row
+schedule shared with the kernels is checked separately for exact row coverage.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import moe as moe_ops
+from pallas_kernels.moe import mgpu
+from pallas_kernels.moe.pallas_gpu import gmm_pallas_gpu
+from pallas_kernels.moe.schedule import max_items, row_schedule
+from tests.pallas_kernels import mgpu_interpret_shim
+
+mgpu_interpret_shim.install()
+
+# Tiny tiles: a CTA covers [64 rows, 2·64 cols]; K steps of 32; 2 pipeline stages.
+CFG = mgpu.MgpuConfig(tile_m=64, tile_n=64, tile_k=32, stages=2, epi_n=64, grid_width=2)
+K, N = 128, 128
+
+
+def _normal(shape, seed, dtype):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def _loop_gmm(lhs, rhs, sizes):
+  lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+  out, row = np.zeros((lhs.shape[0], rhs.shape[2])), 0
+  for g, s in enumerate(sizes):
+    out[row:row + s] = lhs[row:row + s] @ rhs[g]
+    row += s
+  return out
+
+
+@pytest.mark.parametrize("m,sizes,dtype,tol", [
+    # M not a multiple of the tile (nor of 8), an empty group, rows past sum(group_sizes), bf16.
+    (203, [50, 0, 70, 60], jnp.bfloat16, 2e-2),
+    # one group holds every row, fp32 (the interpreter multiplies in fp32).
+    (128, [0, 0, 128, 0], jnp.float32, 1e-5),
+])
+def test_pallas_gpu_forward_equals_reference(m, sizes, dtype, tol):
+  lhs, rhs = _normal((m, K), 0, dtype), _normal((len(sizes), K, N), 1, dtype)
+  gs = jnp.asarray(sizes, jnp.int32)
+  out = gmm_pallas_gpu(lhs, rhs, gs, config=CFG, interpret=True)
+  ref = moe_ops.gmm(lhs, rhs, gs, backend="reference")
+  assert out.dtype == ref.dtype == dtype
+  out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  np.testing.assert_allclose(out32, ref32, atol=tol * 10, rtol=tol)
+  np.testing.assert_allclose(out32, _loop_gmm(lhs, rhs, sizes), atol=tol * 10, rtol=tol)
+  np.testing.assert_array_equal(out32[sum(sizes):], 0.0)       # rows in no group: zeros
+
+
+def test_pallas_gpu_gradients_equal_reference():
+  """dlhs (gmm with rhsᵀ) and drhs (tgmm; group starts not 8-aligned, an empty group)."""
+  m, sizes = 203, [3, 0, 77, 60, 1]
+  lhs, rhs = _normal((m, K), 2, jnp.float32), _normal((len(sizes), K, N), 3, jnp.float32)
+  ct = _normal((m, N), 4, jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  loss_p = lambda a, b: jnp.sum(gmm_pallas_gpu(a, b, gs, config=CFG, interpret=True) * ct)
+  loss_r = lambda a, b: jnp.sum(moe_ops.gmm(a, b, gs, backend="reference") * ct)
+  dl_p, dr_p = jax.grad(loss_p, argnums=(0, 1))(lhs, rhs)
+  dl_r, dr_r = jax.jit(jax.grad(loss_r, argnums=(0, 1)))(lhs, rhs)
+  np.testing.assert_allclose(dl_p, dl_r, atol=1e-4, rtol=1e-5)
+  np.testing.assert_allclose(dr_p, dr_r, atol=1e-4, rtol=1e-5)
+  np.testing.assert_array_equal(dl_p[sum(sizes):], 0.0)
+  np.testing.assert_array_equal(dr_p[1], 0.0)                    # empty group: zero gradient
+
+
+@pytest.mark.parametrize("tile,align", [(64, 8), (16, 16), (8, 8)])
+def test_row_schedule_covers_every_row_once(tile, align):
+  """Every row is kept by exactly one item, of its own group (tail rows: group G)."""
+  rng = np.random.default_rng(tile)
+  def sched_fn(sizes, m):
+    s = row_schedule(sizes, m, tile, align=align)
+    return s.group_id, s.tile_start, s.valid_start, s.valid_size
+  for trial in range(6):
+    m = int(rng.integers(tile, 300))
+    g = int(rng.integers(1, 9))
+    sizes = rng.multinomial(int(rng.integers(0, m + 1)), np.ones(g) / g)
+    sizes[rng.random(g) < 0.3] = 0
+    gid, ts, vs, vz = (np.asarray(a) for a in sched_fn(jnp.asarray(sizes, jnp.int32), m))
+    assert len(gid) == max_items(m, g, tile, align)
+    owner = np.full(m, -1)
+    for i in np.nonzero(vz)[0]:
+      assert 0 <= ts[i] <= m - tile                              # tile inside the rows
+      assert ts[i] % align == 0 or ts[i] == m - tile             # aligned unless clamped
+      assert 0 <= vs[i] and vs[i] + vz[i] <= tile
+      rows = np.arange(ts[i] + vs[i], ts[i] + vs[i] + vz[i])
+      assert np.all(owner[rows] == -1), "a row kept twice"
+      owner[rows] = gid[i]
+    want = np.concatenate([np.repeat(np.arange(g), sizes), np.full(m - sizes.sum(), g)])
+    np.testing.assert_array_equal(owner, want)
+
+
+def test_auto_backend_is_ragged_dot_off_gpu_and_tpu_is_reported():
+  assert moe_ops.resolve_backend("auto", (256, 512), (4, 512, 512), jnp.bfloat16) == (
+      "pallas_gpu" if jax.default_backend() == "gpu" else "ragged_dot")
+  lhs, rhs = _normal((8, K), 0, jnp.float32), _normal((2, K, N), 1, jnp.float32)
+  with pytest.raises(NotImplementedError, match="pallas_tpu"):
+    moe_ops.gmm(lhs, rhs, jnp.asarray([4, 4]), backend="pallas_tpu")
+
+
+def test_mgpu_rejects_untileable_shapes():
+  lhs, rhs = _normal((64, 48), 0, jnp.bfloat16), _normal((2, 48, 128), 1, jnp.bfloat16)
+  with pytest.raises(ValueError, match="tile_k"):
+    mgpu.gmm_mgpu(lhs, rhs, jnp.asarray([32, 32]), config=CFG, interpret=True)
