@@ -11,7 +11,9 @@ placed with the explicit shardings the train loop uses.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,6 @@ import numpy as np
 from flax import nnx
 
 from configs import k3_tiny
-from k3train.data import pipeline
 from k3train.parallel import rules as rules_lib
 from k3train.train import layout as layout_lib
 from k3train.train.step import forward_loss
@@ -60,10 +61,33 @@ def loss_and_grads(graphdef, layout, params, rest, batch):
   return (*compiled(params, rest, batch), counts)
 
 
+def packed_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
+  """A [16, 128] batch of many short documents: boundaries mid-chunk and exactly on every
+  sequence-shard edge (multiples of 16), one-token documents, and tail padding (id 0)."""
+  rng = np.random.default_rng(seed)
+  b, t = GLOBAL_BATCH, cfg.data.seq_len
+  seg = np.zeros((b, t), np.int32)
+  for row in range(b):
+    edges = set(rng.choice(np.arange(1, t - 8), size=6, replace=False).tolist())
+    edges |= {16 * (1 + row % 7), 32, 33}           # on shard edges; a one-token document
+    pos, doc = 0, 1
+    for end in sorted(edges) + [t - (row % 5) * 3]:
+      seg[row, pos:end] = doc
+      pos, doc = end, doc + 1
+  positions = np.zeros_like(seg)
+  for row in range(b):
+    for i in range(1, t):
+      positions[row, i] = positions[row, i - 1] + 1 if seg[row, i] == seg[row, i - 1] else 0
+  tokens = rng.integers(1, cfg.model.vocab_size, (b, t), dtype=np.int32)
+  targets = rng.integers(1, cfg.model.vocab_size, (b, t), dtype=np.int32)
+  loss_mask = (seg > 0).astype(np.float32)
+  return {"tokens": np.where(seg > 0, tokens, 0), "targets": targets, "segment_ids": seg,
+          "positions": positions, "loss_mask": loss_mask}
+
+
 def main(mesh_args):
   cfg = tiny_config()
-  data = pipeline.make_text_iterator(cfg.data, batch_size=GLOBAL_BATCH, seed=0)
-  host_batch = next(data)
+  host_batch = packed_batch(cfg)
   ref_layout = layout_lib.make_layout(cfg, devices=jax.devices()[:1])
   model = layout_lib.build_sharded_model(cfg, ref_layout)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -72,6 +96,7 @@ def main(mesh_args):
   ref_flat = {jax.tree_util.keystr(p): np.asarray(g) for p, g in
               jax.tree_util.tree_flatten_with_path(ref_grads)[0]}
   for mesh_arg in mesh_args:
+    start = time.perf_counter()
     cfg = tiny_config(mesh_arg)
     layout = layout_lib.make_layout(cfg)
     sh = layout_lib.model_shardings(cfg, layout)
@@ -86,10 +111,13 @@ def main(mesh_args):
       scale = max(scale, float(np.max(np.abs(ref))) if ref.size else 0.0)
       if err > worst:
         worst, worst_name = err, name
-    print(json.dumps({"mesh": mesh_arg, "loss_ref": float(ref_loss), "loss": float(loss),
+    print(json.dumps({"mesh": mesh_arg, "seconds": round(time.perf_counter() - start, 1), "loss_ref": float(ref_loss), "loss": float(loss),
                       "grad_err": worst, "grad_err_at": worst_name, "grad_scale": scale,
                       "collectives": collectives}), flush=True)
 
 
 if __name__ == "__main__":
+  if os.environ.get("K3TRAIN_TEST_COMPILATION_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["K3TRAIN_TEST_COMPILATION_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   main(sys.argv[1:])
