@@ -79,7 +79,36 @@ class _closing:
 
 
 def _log(msg: str) -> None:
-  print(msg, flush=True)
+  """Progress lines come from process 0 only (every process runs the same steps)."""
+  if jax.process_index() == 0:
+    print(msg, flush=True)
+
+
+def _all_hosts_data_state(data) -> dict:
+  """The data-iterator state to checkpoint: this host's state, or with several processes
+  {"hosts": [state of process 0, 1, ...]} (gathered, so any host count can restore it)."""
+  state = data.get_state()
+  if jax.process_count() == 1:
+    return state
+  from jax.experimental import multihost_utils
+  blob = np.frombuffer(json.dumps(state).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.asarray([blob.size], np.int64))
+  padded = np.zeros((int(np.max(lengths)),), np.uint8)
+  padded[:blob.size] = blob
+  blobs = multihost_utils.process_allgather(padded)
+  return {"hosts": [json.loads(bytes(b[:int(n)]).decode())
+                    for b, n in zip(np.asarray(blobs), np.asarray(lengths).reshape(-1))]}
+
+
+def _restore_data_state(data, saved: dict) -> None:
+  """Exact continuation when the host layout is unchanged; otherwise the pipeline reshards."""
+  hosts = saved.get("hosts") if isinstance(saved, dict) else None
+  if hosts is not None and len(hosts) == jax.process_count():
+    data.set_state(hosts[jax.process_index()])
+  elif hosts is None and jax.process_count() > 1:
+    data.set_state({"hosts": [saved]})
+  else:
+    data.set_state(saved)
 
 
 def _check_finite(step: int, host_metrics: dict) -> None:
@@ -130,7 +159,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
   start = ckpt.latest_step() or 0
   if start:
     state, data_state = ckpt.restore(start, state)
-    data.set_state(data_state)
+    _restore_data_state(data, data_state)
     _log(f"resumed from {ckpt.directory} at step {start}")
 
   train_step = compile_train_step(graphdef, optimizer, cfg, layout, shardings)
@@ -148,8 +177,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     host["padding_fraction"] = pad_fraction
     _check_finite(step, host)
     result.losses[step] = host["loss"]
-    fh.write(json.dumps({"step": step, **host}) + "\n")
-    fh.flush()
+    if jax.process_index() == 0:
+      fh.write(json.dumps({"step": step, **host}) + "\n")
+      fh.flush()
     if host.get("skipped_update", 0) > 0:
       _log(f"step {step}: loss {host['loss']:.4f} exceeded {cfg.optim.loss_spike_factor}x its running "
            "mean; the update was skipped (optim.loss_spike_factor)")
@@ -184,12 +214,12 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
       if step % cfg.checkpoint.every_steps == 0 and step < end:
         record(*pending, fh)   # never checkpoint a non-finite state
         pending = None
-        ckpt.save(step, state, data.get_state())
+        ckpt.save(step, state, _all_hosts_data_state(data))
         last_saved = step
     if pending is not None:
       record(*pending, fh)
     if step != last_saved:
-      ckpt.save(step, state, data.get_state(), force=True)
+      ckpt.save(step, state, _all_hosts_data_state(data), force=True)
   result.end_step = step
   _log(f"done at step {step}; checkpoints in {ckpt.directory}")
   return result
