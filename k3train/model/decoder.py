@@ -124,6 +124,22 @@ class K3Model(nnx.Module):
     nnx.update(self.stack, new_rest)
     return stream
 
+  def _run_layer(self, layer, stream, index: int, segment_ids_bt, token_mask_bt):
+    """One unscanned layer, rematerialised under the same policy as the scanned stack."""
+    if self.remat_policy == "none":
+      return layer(stream, jnp.int32(index), segment_ids_bt, token_mask_bt)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def run(params, rest, stream, segment_ids_bt, token_mask_bt):
+      layer = nnx.merge(graphdef, params, rest)
+      stream = layer(stream, jnp.int32(index), segment_ids_bt, token_mask_bt)
+      return stream, nnx.state(layer, nnx.Not(nnx.Param))
+
+    run = jax.checkpoint(run, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=True)
+    stream, new_rest = run(params, rest, stream, segment_ids_bt, token_mask_bt)
+    nnx.update(layer, new_rest)
+    return stream
+
   def hidden_states(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
     """The final AttnRes mix before the norm, [B, T, d] (also the MTP input)."""
     if token_mask_bt is None:
@@ -131,11 +147,12 @@ class K3Model(nnx.Module):
     x = ax.constrain(self.embed(tokens_bt), ax.BATCH, ax.SEQ, ax.EMBED)
     stream = attnres.init_stream(x, self.max_sources)
     for i, layer in enumerate(self.prefix):
-      stream = layer(stream, jnp.int32(i), segment_ids_bt, token_mask_bt)
+      stream = self._run_layer(layer, stream, i, segment_ids_bt, token_mask_bt)
     if self.stack is not None:
       stream = self._run_stack(stream, segment_ids_bt, token_mask_bt)
     for i, layer in enumerate(self.suffix):
-      stream = layer(stream, jnp.int32(self.schedule.suffix_start + i), segment_ids_bt, token_mask_bt)
+      stream = self._run_layer(layer, stream, self.schedule.suffix_start + i, segment_ids_bt,
+                               token_mask_bt)
     blocks, num_blocks, p = stream
     return self.out_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
 

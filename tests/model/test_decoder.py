@@ -9,7 +9,7 @@ from flax import nnx
 
 from configs import k3_tiny
 from k3train.model import axes as ax
-from k3train.model.decoder import K3Model
+from k3train.model.decoder import K3Model, build_model
 from k3train.model.kda import KimiDeltaAttention, lower_bound_gate
 
 KNOWN_AXES = {v for k, v in vars(ax).items() if k.isupper() and isinstance(v, str)}
@@ -107,3 +107,26 @@ def test_scanned_and_unrolled_decoders_agree():
   a = nnx.jit(lambda m, x: m(x, seg))(src, tokens)
   b = nnx.jit(lambda m, x: m(x, seg))(model_unrolled, tokens)
   np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_remat_changes_neither_loss_nor_gradients():
+  # Rematerialisation (scanned stack and the unscanned prefix/suffix layers) recomputes the same
+  # forward in the backward pass: same loss, same gradients (fp32; fusion may reorder sums).
+  from k3train.train.step import forward_loss
+  results = {}
+  for policy in ("none", "full"):
+    cfg = k3_tiny.get_config()
+    cfg.model.num_layers, cfg.model.mla_layers = 5, (4, 5)   # dense, 2 KDA, MLA, MLA
+    cfg.model.remat_policy = policy
+    model = build_model(cfg.model, seed=0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    seg = jnp.asarray(np.repeat([[1, 2]], [40, 24], axis=1).repeat(2, axis=0), jnp.int32)
+    batch = {"tokens": jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 97 + 3,
+             "targets": jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 89 + 5,
+             "segment_ids": seg, "loss_mask": jnp.ones((2, 64), jnp.float32)}
+    loss_fn = lambda p: forward_loss(graphdef, p, rest, batch)[0]
+    results[policy] = jax.jit(jax.value_and_grad(loss_fn))(params)
+  (loss_a, grads_a), (loss_b, grads_b) = results["none"], results["full"]
+  assert abs(float(loss_a) - float(loss_b)) <= 1e-5
+  for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+    assert float(jnp.max(jnp.abs(a - b))) <= 1e-5
