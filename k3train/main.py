@@ -46,7 +46,16 @@ def main(argv) -> int:
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  from k3train.parallel import distributed
+  try:
+    description = distributed.initialize_from_environment()  # before any JAX computation
+  except distributed.DistributedSetupError as e:
+    print(f"distributed set-up error: {e}", file=sys.stderr)
+    return 2
   enable_compilation_cache(_CACHE_DIR.value)
+  import jax
+  if jax.process_index() == 0:
+    print(description, flush=True)
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   from k3train.train import loop  # heavy imports after flag parsing
   try:

@@ -120,6 +120,13 @@ def _check_finite(step: int, host_metrics: dict) -> None:
         "then resume from the last checkpoint in the workdir.")
 
 
+def params_fingerprint(params) -> float:
+  """Σ over parameters of Σ x² (fp32 on device): equal before a save and after any restore,
+  whatever the mesh, up to reduction order."""
+  return float(jax.jit(lambda p: sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                                     for x in jax.tree.leaves(p)))(params))
+
+
 def compile_train_step(graphdef, optimizer, cfg, layout, shardings):
   """The step jitted with explicit shardings; the state argument is donated (updated in place)."""
   return layout_lib.jit_train_step(graphdef, optimizer, cfg, layout, shardings)
@@ -160,7 +167,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
   if start:
     state, data_state = ckpt.restore(start, state)
     _restore_data_state(data, data_state)
-    _log(f"resumed from {ckpt.directory} at step {start}")
+    _log(f"resumed from {ckpt.directory} at step {start}; parameter fingerprint "
+         f"{params_fingerprint(state.params):.9e}")
 
   train_step = compile_train_step(graphdef, optimizer, cfg, layout, shardings)
   end = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
@@ -221,5 +229,6 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     if step != last_saved:
       ckpt.save(step, state, _all_hosts_data_state(data), force=True)
   result.end_step = step
-  _log(f"done at step {step}; checkpoints in {ckpt.directory}")
+  _log(f"done at step {step}; checkpoints in {ckpt.directory}; parameter fingerprint "
+       f"{params_fingerprint(state.params):.9e}")
   return result
