@@ -50,7 +50,8 @@ never rematerialised):
                   [N_max, n, d] plus the partial sum — and the unscanned layers' residuals;
                   backward working set: one super-block's residuals (4 layers) + its buffers.
   dots_saveable   as full, plus every dot output of every super-block; the working set is the
-                  non-dot residuals of one super-block.
+                  non-dot residuals of one super-block (dots_with_no_batch_dims_saveable is
+                  planned the same way: K3's projections have no batch dims).
   none            every layer's residuals.
 
 Other terms: gradients (fp32, sharded like the parameters); the weights of the largest layer
@@ -316,10 +317,9 @@ def activation_dims(cfg, rules, mesh, seq_len: int, batch_per_device: int) -> Di
                      what="batch [global batch, seq_len]")
 
   def local(names, shape):
-    spec = rules_lib.spec_for(names, shape, rules, mesh, what=f"activation {tuple(names)}")
-    div = axes_of(names)
-    del spec
-    return shape[-1] // div[-1]
+    """Per-device size of the last dimension (spec_for raises the run's error if it does not divide)."""
+    rules_lib.spec_for(names, shape, rules, mesh, what=f"activation {tuple(names)}")
+    return shape[-1] // axes_of(names)[-1]
 
   act = (ax.BATCH, ax.SEQ)
   e = m.moe
