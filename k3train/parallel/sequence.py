@@ -5,8 +5,8 @@ Without an active layout these are the single-device ops. Under one, the KDA rec
 partitions the chunk scan itself. With the sequence axis of size P > 1 (k3-math §1.6):
 
   1. each rank folds its chunks into one affine map of the entering state, S_out = M S_in + B,
-     in a single pass of the op: initial state [I | 0] and values [0 | v] give final [M | B]
-     (a document start inside the rank makes M = 0 and B the state since that start);
+     with the op itself: M is the final state from S₀ = I with zero values, B from S₀ = 0 (a
+     document start inside the rank makes M = 0 and B the state since that start);
   2. the (M, B) pairs and the first/last segment ids of every rank are all-gathered;
   3. rank r folds ranks j < r in order (a state crosses from j to j+1 only if the document
      continues) and runs the op again from that entering state for its outputs.
@@ -107,13 +107,13 @@ def kda(q, k, v, g, beta, segment_ids_bt, *, chunk_size: int, backend: str) -> j
     if size == 1:
       return op(q, k, v, g, beta, segment_ids=seg)[0]
     b, _, h, dk = q.shape
-    dv = v.shape[-1]
-    # One pass for the rank's affine map: initial [I | 0], values [0 | v] → final [M | B].
+    # The rank's affine map S_out = M S_in + B: M from initial state I with zero values, B from
+    # a zero initial state (two passes keep V = K and V as the kernels' head sizes).
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, h, dk, dk))
-    s0 = jnp.concatenate([eye, jnp.zeros((b, h, dk, dv), jnp.float32)], axis=-1)
-    v_ext = jnp.concatenate([jnp.zeros(q.shape[:3] + (dk,), v.dtype), v], axis=-1)
-    _, mb = op(q, k, v_ext, g, beta, initial_state=s0, segment_ids=seg, output_final_state=True)
-    s_in = _entering_states(mb[..., :dk], mb[..., dk:], seg[:, 0], seg[:, -1], t_axes, size)
+    _, m = op(q, k, jnp.zeros_like(k, dtype=v.dtype), g, beta, initial_state=eye, segment_ids=seg,
+              output_final_state=True)
+    _, b_state = op(q, k, v, g, beta, segment_ids=seg, output_final_state=True)
+    s_in = _entering_states(m, b_state, seg[:, 0], seg[:, -1], t_axes, size)
     return op(q, k, v, g, beta, initial_state=s_in, segment_ids=seg)[0]
 
   x_spec = _spec(b_axes, t_axes, h_axes, ())
