@@ -116,7 +116,7 @@ def test_remat_changes_neither_loss_nor_gradients():
   results = {}
   for policy in ("none", "full"):
     cfg = k3_tiny.get_config()
-    cfg.model.num_layers, cfg.model.mla_layers = 5, (4, 5)   # dense, 2 KDA, MLA, MLA
+    cfg.model.num_layers, cfg.model.mla_layers = 3, (2, 3)   # prefix KDA+dense, MLA; 1 scanned MLA
     cfg.model.remat_policy = policy
     model = build_model(cfg.model, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -5,7 +5,7 @@ Run 1: mesh fsdp=8, steps 1–3, checkpoint at 3. Run 2: mesh data=2 × fsdp=2 �
 sharding of every parameter and optimizer leaf), resumes at 3 and trains to 5. The parameter
 fingerprint (Σ x² over all parameters) printed after run 1's save equals the one printed after
 run 2's restore (relative 1e-6: only the reduction order differs), and every step's loss is
-finite. A 5-layer k3_tiny (dense, 2 KDA, 2 MLA; every layer kind and the MoE) keeps it quick.
+finite. A 2-layer k3_tiny (KDA + dense FFN, then MLA + MoE: every layer kind) keeps it quick.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = ["--config.model.num_layers=5", "--config.model.mla_layers=(4, 5)",
+SMALL = ["--config.model.num_layers=2", "--config.model.mla_layers=(2,)",
          "--config.train.global_batch_size=8", "--config.checkpoint.every_steps=3"]
 
 
