@@ -18,8 +18,11 @@ import orbax.checkpoint as ocp
 
 from k3train.tree_paths import path_names
 
-# Config sections that must match between a checkpoint and the run that restores it.
+# Config sections that must match between a checkpoint and the run that restores it, and the
+# keys inside them that may change between curriculum stages (the data iterator re-plans those
+# without losing its place in each source; see k3train/data/pipeline.py STAGE_KEYS).
 MUST_MATCH = ("model", "data")
+MAY_CHANGE = ("data.weights", "data.seq_len", "data.num_workers", "data.num_threads")
 
 
 class CheckpointMismatchError(ValueError):
@@ -89,7 +92,8 @@ class Checkpointer:
     saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     current = config_to_json(self.cfg)
     diffs = [d for section in MUST_MATCH
-             for d in _config_diff(saved.get(section, {}), current.get(section, {}), section + ".")]
+             for d in _config_diff(saved.get(section, {}), current.get(section, {}), section + ".")
+             if d.split(":", 1)[0] not in MAY_CHANGE]
     if diffs:
       raise CheckpointMismatchError(
           f"the checkpoint at {self.directory} (step {step}) was written with a different config:\n  "

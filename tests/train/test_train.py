@@ -172,3 +172,20 @@ def test_spike_guard_skips_only_spikes_and_keeps_its_mean():
   assert bool(skip) and float(ema3) == float(ema2)
   skip, _ = spike_guard(f32(1e9), ema2, factor=0.0, decay=0.9)            # guard off
   assert not bool(skip)
+
+
+def test_checkpoint_config_check_allows_curriculum_stage_keys_only(tmp_path):
+  import jax.numpy as jnp
+  from configs import k3_tiny
+  cfg = k3_tiny.get_config()
+  cfg.checkpoint.async_save = False
+  ckpt = Checkpointer(str(tmp_path), cfg)
+  ckpt.save(1, {"w": jnp.ones((2,))}, {"batches": 1}, force=True)
+  ckpt.close()
+  stage = k3_tiny.get_config()
+  stage.data.seq_len, stage.data.weights = 256, (1.0,)     # a new curriculum stage: accepted
+  Checkpointer(str(tmp_path), stage).check_config(1)
+  other = k3_tiny.get_config()
+  other.data.sources = ("synthetic_text",)                 # another dataset: refused, named
+  with pytest.raises(CheckpointMismatchError, match="data.sources"):
+    Checkpointer(str(tmp_path), other).check_config(1)
