@@ -11,23 +11,12 @@ from PIL import Image
 
 from k3train.data import documents, pipeline, vision
 from k3train.data import tokenizer as tokenizer_lib
+from tests.data.test_pipeline import assert_batches_equal, take
 
 SEQ_LEN = 128
 BATCH = 4
 CFG = vision.VisionConfig(max_patches=256, max_side=3584, video_fps=2.0, max_video_frames=16,
                           max_video_frame_patches=64, frames_per_chunk=4)
-
-
-def take(it, n):
-  return [next(it) for _ in range(n)]
-
-
-def assert_batches_equal(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
 def noise_image(w, h, seed=0, mode="RGB"):
