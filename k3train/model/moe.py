@@ -135,9 +135,9 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
   unchanged; with top_k == E every expert takes every token and the result is zeros.
   The result is wrapped in stop_gradient.
 
-  The sort costs O(T·E log T) and, under data sharding, gathers every token's margins. For very
-  large or sharded batches, a later version replaces it with per-expert margin histograms that are summed across
-  micro-batches and data-parallel ranks with one all-reduce (the error is at most one bin width).
+  The quantile is an exact order statistic found by bisection over the float bit patterns
+  (`kth_largest_per_column`): 32 rounds of per-expert counts, so under data sharding only [E]
+  counts are all-reduced, never the [T, E] margins, and the result equals a sort's bit for bit.
   """
   scores_te = jax.lax.stop_gradient(scores_te.astype(jnp.float32))
   bias_e = jax.lax.stop_gradient(bias_e.astype(jnp.float32))
@@ -147,15 +147,45 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
   real_t = token_mask_t.reshape(scores_te.shape[0]).astype(bool)
 
   cutoff_t = jax.lax.top_k(scores_te + bias_e, top_k + 1)[0][:, top_k]
-  margin_te = jnp.where(real_t[:, None], scores_te - cutoff_t[:, None], -jnp.inf)
-  margin_desc_te = -jnp.sort(-margin_te, axis=0)       # per expert, largest first; padding last
+  margin_te = jnp.where(real_t[:, None], scores_te - cutoff_t[:, None], -jnp.inf)  # padding last
 
   m_real = jnp.sum(real_t, dtype=jnp.int32)
   q = jnp.clip((m_real * top_k) // num_experts, 0, jnp.maximum(m_real - 1, 0))
-  beta_e = jax.lax.dynamic_index_in_dim(margin_desc_te, q, axis=0, keepdims=False)
+  beta_e = kth_largest_per_column(margin_te, q)
   new_bias_e = -beta_e
   new_bias_e = new_bias_e - jnp.mean(new_bias_e)
   return jax.lax.stop_gradient(jnp.where(m_real > 0, new_bias_e, bias_e))
+
+
+def _ordered_uint32(x: jax.Array) -> jax.Array:
+  """fp32 → uint32 with the same order (−inf smallest): flip negatives, offset the sign."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  key = jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
+  return jax.lax.bitcast_convert_type(key ^ jnp.int32(-0x80000000), jnp.uint32)
+
+
+def _from_ordered_uint32(u: jax.Array) -> jax.Array:
+  key = jax.lax.bitcast_convert_type(u, jnp.int32) ^ jnp.int32(-0x80000000)
+  bits = jnp.where(key >= 0, key, key ^ jnp.int32(0x7FFFFFFF))
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def kth_largest_per_column(x_te: jax.Array, k: jax.Array) -> jax.Array:
+  """[E]: the (k+1)-th largest value of each column of x_te [T, E] (k dynamic, 0 ≤ k < T).
+
+  Bit-by-bit bisection on the order-preserving uint32 image of the floats: keep the largest
+  threshold u with #{t : x_te ≥ u} ≥ k + 1. Each of the 32 rounds needs only per-column counts,
+  so a token axis sharded over devices costs one [E] all-reduce per round; the answer is an
+  element of the column (NaN-free input assumed), equal to sorting.
+  """
+  u_te = _ordered_uint32(x_te)
+  need = (k + 1).astype(jnp.int32)
+  ans_e = jnp.zeros((x_te.shape[1],), jnp.uint32)
+  for bit in range(31, -1, -1):
+    cand_e = ans_e | jnp.uint32(1 << bit)
+    count_e = jnp.sum(u_te >= cand_e[None, :], axis=0, dtype=jnp.int32)
+    ans_e = jnp.where(count_e >= need, cand_e, ans_e)
+  return _from_ordered_uint32(ans_e)
 
 
 def count_expert_load(idx_tk: jax.Array, token_mask_t: jax.Array, num_experts: int) -> jax.Array:
