@@ -39,16 +39,15 @@ same tokens. Per decoder layer the "all" residuals are what autodiff keeps witho
                               routed to one device; k3train/parallel/expert.py), and keeps the
                               gmm input, gate/up/hidden outputs for backward; the exchange
                               itself needs ~3 such [ep·n·k, ℓ] buffers at once (send, receive,
-                              regrouped). Quantile Balancing sorts the margins of every token
-                              of the global batch [B·T, E] fp32 (forward only; worst case, XLA
-                              gathers the sorted axis).
+                              regrouped). Quantile Balancing compares each device's own
+                              [n, E] fp32 margins (bisection over counts; forward only).
 
 Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 layers, is what
-`jax.checkpoint` wraps; the unscanned prefix (layers up to the first MLA) and suffix layers are
-never rematerialised):
+`jax.checkpoint` wraps; each unscanned prefix/suffix layer is wrapped on its own):
   full            saved: the scan carry per super-block — the AttnRes source buffer
-                  [N_max, n, d] plus the partial sum — and the unscanned layers' residuals;
-                  backward working set: one super-block's residuals (4 layers) + its buffers.
+                  [N_max, n, d] plus the partial sum — and the same input stream per unscanned
+                  layer; backward working set: one super-block's residuals (4 layers) or one
+                  unscanned layer's, whichever is larger, + its buffers.
   dots_saveable   as full, plus every dot output of every super-block; the working set is the
                   non-dot residuals of one super-block (dots_with_no_batch_dims_saveable is
                   planned the same way: K3's projections have no batch dims).
@@ -432,8 +431,10 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
         saved=rows * (lat + 3 * fl) * A + n * topk * lat * A,
         transient=3 * rows * lat * A)
   out["moe"] = c
-  out["qb_sort"] = Cost().add("moe: Quantile Balancing sort [B·T, E] fp32 (forward)",
-                              transient=2 * dims.global_batch * dims.T * E * F)
+  # QB finds its quantile by bisection over per-expert counts: each device compares only its own
+  # n tokens' [n, E] fp32 margins (and their uint32 keys) and all-reduces [E] counts.
+  out["qb_sort"] = Cost().add("moe: Quantile Balancing margins + keys [n, E] (forward)",
+                              transient=2 * n * E * F)
 
   c = Cost()
   c.add("embedding output", saved=n * d * A)
@@ -527,13 +528,17 @@ def make_plan(cfg, state: AbstractState, sizes: Mapping[str, int], *, rules_name
     working = transient + grad_carry
     saved_note = f"all {cfg.model.num_layers} layers' residuals"
   elif remat == "full":
-    saved = nsb * carry + unscanned_cost.saved + head.saved
-    working = period.saved + transient + grad_carry
-    saved_note = (f"{nsb} scan carries ({carry / GiB:.2f} GiB each) + {len(unscanned)} unscanned "
-                  f"layers ({unscanned_cost.saved / GiB:.2f} GiB) + head")
+    # The unscanned layers are rematerialised too: each keeps its input stream (one carry).
+    unscanned_max = max((layer_cost(costs, kind).saved for kind in unscanned), default=0)
+    saved = (nsb + len(unscanned)) * carry + head.saved
+    working = max(period.saved, unscanned_max) + transient + grad_carry
+    saved_note = (f"{nsb} scan carries + {len(unscanned)} unscanned-layer inputs "
+                  f"({carry / GiB:.2f} GiB each) + head")
   else:   # dots_saveable, dots_with_no_batch_dims_saveable (planned alike)
-    saved = nsb * (carry + period.dots) + unscanned_cost.saved + head.saved
-    working = period.saved - period.dots + transient + grad_carry
+    unscanned_max = max((layer_cost(costs, kind).saved - layer_cost(costs, kind).dots
+                         for kind in unscanned), default=0)
+    saved = nsb * (carry + period.dots) + len(unscanned) * carry + unscanned_cost.dots + head.saved
+    working = max(period.saved - period.dots, unscanned_max) + transient + grad_carry
     saved_note = (f"{nsb} × (carry + dot outputs {period.dots / GiB:.2f} GiB) + "
                   f"{len(unscanned)} unscanned layers + head")
   # One layer's intermediates are live in the forward pass (freed as it goes under remat).
@@ -569,7 +574,7 @@ def make_plan(cfg, state: AbstractState, sizes: Mapping[str, int], *, rules_name
        f"3 × [{rows:,} rows, ℓ] exchange buffers ("
        + ("ep·n·k: dropless worst case)" if expert_capacity is None
           else f"capacity {expert_capacity:g}·n·k: hypothetical, not in k3train)")),
-      ("forward QB sort", qb, "margins of all B·T tokens × E experts, fp32 ×2 (forward only)"),
+      ("forward QB margins", qb, "this device's n tokens × E experts, fp32 + uint32 keys (bisection; forward only)"),
       ("optimizer transient", opt_transient, "3 × the largest local optimizer leaf"),
   ]
   detail = {"super-block": period.terms, "unscanned": unscanned_cost.terms, "head": head.terms,
