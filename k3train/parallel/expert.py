@@ -21,11 +21,11 @@ the experts (P = size of the expert axes) and its own tokens. It
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from k3train.model import axes as ax
 from k3train.parallel import rules as rules_lib
@@ -153,19 +153,16 @@ def routed_experts(x_btl: jax.Array, weights_btk: jax.Array, idx_btk: jax.Array,
     raise ValueError(f"model.moe.num_experts={num_experts} is not divisible by the {ep} devices "
                      f"of mesh axes {e_axes}")
 
-  def sp(*dims):
-    return P(*[(d[0] if len(d) == 1 else d) if d else None for d in dims])
-
+  sp = rules_lib.spec_from_axes
   tok = sp(b_axes, t_axes, ())
   w_in, w_out = sp(e_axes, (), f_axes), sp(e_axes, f_axes, ())
-  body = lambda *args: _ep_local(*args, num_experts=num_experts, e_axes=e_axes or None,
-                                 f_axes=f_axes, ep=ep, exchange=resolve_exchange(exchange),
-                                 expert_fn=expert_fn)
-  if ep == 1:   # no exchange: only the tensor-split hidden dim needs its psum
-    def body(x, w, i, *ew):  # noqa: F811
+  if ep > 1:
+    body = functools.partial(_ep_local, num_experts=num_experts, e_axes=e_axes, f_axes=f_axes,
+                             ep=ep, exchange=resolve_exchange(exchange), expert_fn=expert_fn)
+  else:   # no exchange: local experts; only a tensor-split hidden dim needs its psum
+    def body(x, w, i, *ew):
       r = local_routed_experts(x.reshape(-1, latent), w.reshape(-1, w.shape[-1]),
                                i.reshape(-1, i.shape[-1]), num_experts, expert_fn, ew)
-      r = jax.lax.psum(r, f_axes) if f_axes else r
-      return r.reshape(x.shape)
+      return (jax.lax.psum(r, f_axes) if f_axes else r).reshape(x.shape)
   return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out),
                        out_specs=tok, check_vma=False)(x_btl, weights_btk, idx_btk, *expert_weights)

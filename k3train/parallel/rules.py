@@ -77,24 +77,36 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
   return P(*parts)
 
 
+def _axes_per_dim(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> list[tuple[str, ...]]:
+  """Mesh axes of each dimension: the rule's axes of size > 1, each mesh axis used once."""
+  used: set[str] = set()
+  out = []
+  for name in names:
+    axes = tuple(a for a in mesh_axes_for(rules, name) if a not in used and mesh.shape[a] > 1)
+    used.update(axes)
+    out.append(axes)
+  return out
+
+
+def spec_from_axes(*axes_per_dim: tuple[str, ...]) -> P:
+  """PartitionSpec from per-dimension mesh-axis tuples (() → None, one axis → its name)."""
+  return P(*[(a[0] if len(a) == 1 else a) if a else None for a in axes_per_dim])
+
+
 def spec_for(names: Sequence[str | None], shape: Sequence[int], rules: Rules, mesh: Mesh,
              what: str = "array") -> P:
   """PartitionSpec on `mesh`; axes of size 1 are left out; a dim the mesh does not divide fails
   with a message naming the array, the dimension and the mesh axes."""
   if len(names) != len(shape):
     raise MeshError(f"{what}: {len(names)} logical names {tuple(names)} for shape {tuple(shape)}")
-  used: set[str] = set()
-  parts = []
-  for dim, (name, size) in enumerate(zip(names, shape)):
-    axes = tuple(a for a in mesh_axes_for(rules, name) if a not in used and mesh.shape[a] > 1)
-    used.update(axes)
+  per_dim = _axes_per_dim(names, rules, mesh)
+  for dim, (name, size, axes) in enumerate(zip(names, shape, per_dim)):
     n = axis_size(mesh, axes)
     if size % n:
       detail = " × ".join(f"{a}={mesh.shape[a]}" for a in axes)
       raise MeshError(f"{what}: dimension {dim} ({name!r}, size {size}) is not divisible by mesh "
                       f"axis {detail} ({n} devices); change the mesh (parallel.*) or the model size")
-    parts.append(axes[0] if len(axes) == 1 else (axes or None))
-  return P(*parts)
+  return spec_from_axes(*per_dim)
 
 
 # ----------------------------------------------------------------------------- the active layout
@@ -147,14 +159,8 @@ def mesh_axes_of(names: Sequence[str | None]) -> tuple[tuple[str, ...], ...] | N
   if layout is None:
     return None
   mesh, rules = layout
-  used: set[str] = set()
-  out = []
-  for name in names:
-    axes = tuple(a for a in mesh_axes_for(rules, name) if a not in used and mesh.shape[a] > 1)
-    used.update(axes)
-    out.append(axes)
-  return tuple(out)
+  return tuple(_axes_per_dim(names, rules, mesh))
 
 
 __all__ = ["MESH_AXES", "RECIPES", "activate", "active", "constrain", "get_rules",
-           "logical_to_spec", "mesh_axes_of", "spec_for"]
+           "logical_to_spec", "mesh_axes_of", "spec_for", "spec_from_axes"]

@@ -22,15 +22,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from k3train.model import axes as ax
 from k3train.parallel import rules as rules_lib
 from pallas_kernels.kda import kda as kda_op
-
-
-def _spec(*axes_per_dim) -> P:
-  return P(*[(a[0] if len(a) == 1 else a) if a else None for a in axes_per_dim])
 
 
 def _layout_specs():
@@ -70,8 +65,8 @@ def causal_conv(x_bthk: jax.Array, w_whk: jax.Array, segment_ids_bt: jax.Array |
     y = conv_fn(jnp.concatenate([halo_x, x], axis=1), w, jnp.concatenate([halo_seg, seg], axis=1))
     return y[:, width - 1:]
 
-  x_spec = _spec(b_axes, t_axes, h_axes, ())
-  return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, _spec((), h_axes, ()), _spec(b_axes, t_axes)),
+  x_spec = rules_lib.spec_from_axes(b_axes, t_axes, h_axes, ())
+  return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, rules_lib.spec_from_axes((), h_axes, ()), rules_lib.spec_from_axes(b_axes, t_axes)),
                        out_specs=x_spec, check_vma=False)(x_bthk, w_whk, segment_ids_bt)
 
 
@@ -116,8 +111,8 @@ def kda(q, k, v, g, beta, segment_ids_bt, *, chunk_size: int, backend: str) -> j
     s_in = _entering_states(m, b_state, seg[:, 0], seg[:, -1], t_axes, size)
     return op(q, k, v, g, beta, initial_state=s_in, segment_ids=seg)[0]
 
-  x_spec = _spec(b_axes, t_axes, h_axes, ())
+  x_spec = rules_lib.spec_from_axes(b_axes, t_axes, h_axes, ())
   return jax.shard_map(
       local, mesh=mesh,
-      in_specs=(x_spec, x_spec, x_spec, x_spec, _spec(b_axes, t_axes, h_axes), _spec(b_axes, t_axes)),
+      in_specs=(x_spec, x_spec, x_spec, x_spec, rules_lib.spec_from_axes(b_axes, t_axes, h_axes), rules_lib.spec_from_axes(b_axes, t_axes)),
       out_specs=x_spec, check_vma=False)(q, k, v, g, beta, segment_ids_bt)

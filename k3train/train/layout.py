@@ -105,13 +105,5 @@ def jit_train_step(graphdef, optimizer, cfg: ml_collections.ConfigDict, layout: 
                  out_shardings=(shardings, layout.replicated), donate_argnums=0)
 
 
-def check_batch_divides(cfg: ml_collections.ConfigDict, layout: Layout) -> None:
-  """The per-process batch must cover whole batch shards of this process's devices."""
-  processes = jax.process_count()
-  if cfg.train.global_batch_size % processes:
-    raise mesh_lib.MeshError(f"train.global_batch_size={cfg.train.global_batch_size} must be "
-                             f"divisible by the {processes} processes")
-
-
 __all__ = ["Layout", "build_sharded_model", "init_sharded_state", "jit_train_step", "make_layout",
            "model_shardings"]

@@ -20,9 +20,8 @@ from configs import k3_tiny
 from k3train.optim import muon
 from k3train.parallel import rules as rules_lib
 from k3train.train import layout as layout_lib
+from tests.parallel.mesh_equivalence import COLLECTIVES, FAST_COMPILE
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def main():
