@@ -7,7 +7,11 @@
             `launch/local.py`, or by hand on machines without a cluster manager): initialize
             with exactly these values. Optional: K3TRAIN_LOCAL_DEVICE_IDS="0,1" limits the
             process to those local accelerators; K3TRAIN_CPU_DEVICES=N gives the process N CPU
-            devices and selects the gloo CPU collectives (multi-process runs on CPU).
+            devices and selects the gloo CPU collectives (multi-process runs on CPU). Gloo binds
+            to K3TRAIN_GLOO_HOSTNAME (an address) or K3TRAIN_GLOO_INTERFACE (e.g. lo); when
+            neither is set and the coordinator is on this machine it binds to 127.0.0.1, because
+            gloo's default (the address the machine's hostname resolves to) may not be
+            reachable from the machine itself in containers and CI sandboxes.
   slurm     SLURM_JOB_ID is set and SLURM_NTASKS > 1: `jax.distributed.initialize()` without
             arguments. jax's own SLURM detection (jax/_src/clusters/slurm_cluster.py, jax 0.10.2)
             reads SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID and SLURM_LOCALID:
@@ -40,6 +44,9 @@ ENV_PROCESS_ID = "K3TRAIN_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "K3TRAIN_LOCAL_DEVICE_IDS"
 ENV_CPU_DEVICES = "K3TRAIN_CPU_DEVICES"
 ENV_TPU_POD = "K3TRAIN_TPU_POD"
+ENV_GLOO_HOSTNAME = "K3TRAIN_GLOO_HOSTNAME"
+ENV_GLOO_INTERFACE = "K3TRAIN_GLOO_INTERFACE"
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 LOCAL_KEYS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
 
@@ -119,9 +126,39 @@ def _cpu_devices(env: Mapping[str, str]) -> int | None:
   return _int(env, ENV_CPU_DEVICES, 1)
 
 
+def gloo_address(env: Mapping[str, str], mode: str, kwargs: Mapping) -> dict:
+  """Keyword arguments (hostname / interface) for gloo's TCP transport; {} keeps gloo's default."""
+  hostname, interface = env.get(ENV_GLOO_HOSTNAME, "").strip(), env.get(ENV_GLOO_INTERFACE, "").strip()
+  if hostname or interface:
+    return {k: v for k, v in (("hostname", hostname), ("interface", interface)) if v}
+  if mode == "local" and kwargs["coordinator_address"].rpartition(":")[0] in LOOPBACK_HOSTS:
+    return {"hostname": "127.0.0.1"}      # every process is on this machine
+  return {}
+
+
+def _use_gloo_address(address: Mapping[str, str]) -> None:
+  """Make the CPU backend (created lazily, after this) use gloo bound to `address`.
+
+  jax (0.10.2) builds gloo collectives without a hostname or interface, so we register the CPU
+  backend factory again with collectives built our way; jax's own `make_cpu_client` does the rest.
+  """
+  from jax._src import distributed as jax_distributed
+  from jax._src import xla_bridge
+  from jax._src.lib import _jax
+
+  def make_cpu_client():
+    collectives = _jax.make_gloo_tcp_collectives(
+        distributed_client=jax_distributed.global_state.client, **address)
+    return xla_bridge.make_cpu_client(collectives=collectives)
+
+  xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0)
+
+
 def initialize_from_environment(env: Mapping[str, str] | None = None, *,
                                 initialize: Callable[..., None] | None = None,
-                                config_update: Callable[[str, object], None] | None = None) -> str:
+                                config_update: Callable[[str, object], None] | None = None,
+                                use_gloo_address: Callable[[Mapping[str, str]], None] | None = None
+                                ) -> str:
   """Start jax's distributed runtime if the environment describes several processes.
 
   Returns a one-line description for the log, e.g. "distributed: local, process 1 of 2,
@@ -132,6 +169,7 @@ def initialize_from_environment(env: Mapping[str, str] | None = None, *,
     import jax
     initialize = jax.distributed.initialize if initialize is None else initialize
     config_update = jax.config.update if config_update is None else config_update
+  use_gloo_address = _use_gloo_address if use_gloo_address is None else use_gloo_address
   mode, kwargs = detect(env)
   cpu = _cpu_devices(env)
   notes = []
@@ -144,6 +182,11 @@ def initialize_from_environment(env: Mapping[str, str] | None = None, *,
   if mode == "single":
     return "distributed: single process" + (f", {notes[0]}" if notes else "")
   initialize(**kwargs)
+  if cpu is not None:
+    address = gloo_address(env, mode, kwargs)
+    if address:
+      use_gloo_address(address)
+      notes.append("gloo on " + " ".join(f"{k}={v}" for k, v in address.items()))
   if mode == "local":
     desc = (f"distributed: local, process {kwargs['process_id']} of {kwargs['num_processes']}, "
             f"coordinator {kwargs['coordinator_address']}")
@@ -157,4 +200,4 @@ def initialize_from_environment(env: Mapping[str, str] | None = None, *,
   return desc + "".join(f", {n}" for n in notes)
 
 
-__all__ = ["DistributedSetupError", "detect", "initialize_from_environment"]
+__all__ = ["DistributedSetupError", "detect", "gloo_address", "initialize_from_environment"]

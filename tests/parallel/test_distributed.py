@@ -17,7 +17,7 @@ class Recorder:
   """Stands in for jax.distributed.initialize and jax.config.update."""
 
   def __init__(self):
-    self.init_calls, self.config = [], {}
+    self.init_calls, self.config, self.gloo = [], {}, []
 
   def initialize(self, **kwargs):
     self.init_calls.append(kwargs)
@@ -25,10 +25,14 @@ class Recorder:
   def update(self, key, value):
     self.config[key] = value
 
+  def use_gloo_address(self, address):
+    self.gloo.append(dict(address))
+
 
 def run(env):
   rec = Recorder()
-  desc = dist.initialize_from_environment(env, initialize=rec.initialize, config_update=rec.update)
+  desc = dist.initialize_from_environment(env, initialize=rec.initialize, config_update=rec.update,
+                                          use_gloo_address=rec.use_gloo_address)
   return rec, desc
 
 
@@ -54,6 +58,23 @@ def test_local_cpu_devices_select_gloo_before_initialize():
   assert rec.config == {"jax_num_cpu_devices": 4, "jax_cpu_collectives_implementation": "gloo"}
   assert len(rec.init_calls) == 1 and "local_device_ids" not in rec.init_calls[0]
   assert "4 CPU devices" in desc
+  # Every process is on this machine: gloo binds to loopback, not to what the hostname resolves to.
+  assert rec.gloo == [{"hostname": "127.0.0.1"}] and "gloo on hostname=127.0.0.1" in desc
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({"K3TRAIN_GLOO_INTERFACE": "eth1"}, [{"interface": "eth1"}]),
+    ({"K3TRAIN_GLOO_HOSTNAME": "10.0.0.7"}, [{"hostname": "10.0.0.7"}]),
+    ({"K3TRAIN_COORDINATOR": "node17:1234"}, []),          # other hosts: keep gloo's default
+])
+def test_gloo_address_from_environment(extra, expected):
+  rec, _ = run(dict(LOCAL, K3TRAIN_CPU_DEVICES="4", **extra))
+  assert rec.gloo == expected
+
+
+def test_accelerator_processes_leave_gloo_alone():
+  rec, _ = run(LOCAL)
+  assert rec.gloo == []
 
 
 @pytest.mark.parametrize("env, words", [
