@@ -38,9 +38,28 @@ def _gmm_fwd(lhs_mk, rhs_gkn, group_sizes_g, config, interpret):
   return out, (lhs_mk, rhs_gkn, group_sizes_g)
 
 
+def _zero_rows_after_groups(lhs_mk, group_sizes_g, rows: int):
+  """lhs with the `rows` rows after sum(group_sizes) zeroed (no full pass over lhs).
+
+  tgmm reduces each group in blocks of tile_k rows from the group's first row, and zeroes the
+  cotangent past the group's end; a padding row holding inf/NaN would still give 0 · inf = NaN
+  in the last group's weight gradient. Those are the only padding rows it reads, so zeroing this
+  window keeps drhs finite whatever the padding holds.
+  """
+  m = lhs_mk.shape[0]
+  window = min(rows, m)
+  total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes_g, 0)), m)
+  start = jnp.clip(total, 0, m - window)
+  block = jax.lax.dynamic_slice_in_dim(lhs_mk, start, window, axis=0)
+  past = (start + jnp.arange(window)) >= total
+  block = jnp.where(past[:, None], jnp.zeros((), block.dtype), block)
+  return jax.lax.dynamic_update_slice_in_dim(lhs_mk, block, start, axis=0)
+
+
 def _gmm_bwd(config, interpret, res, dout_mn):
   lhs_mk, rhs_gkn, group_sizes_g = res
   dout_mn = dout_mn.astype(lhs_mk.dtype)
+  lhs_mk = _zero_rows_after_groups(lhs_mk, group_sizes_g, config.tile_k)
   dlhs_mk = gmm_mgpu(dout_mn, rhs_gkn, group_sizes_g, transpose_rhs=True, config=config,
                      interpret=interpret)
   drhs_gkn = tgmm_mgpu(lhs_mk, dout_mn, group_sizes_g, config=config, interpret=interpret)

@@ -73,6 +73,21 @@ def test_pallas_gpu_gradients_equal_reference():
   np.testing.assert_array_equal(dr_p[1], 0.0)                    # empty group: zero gradient
 
 
+def test_pallas_gpu_weight_gradient_ignores_inf_and_nan_padding_rows():
+  """Rows past sum(group_sizes) are padding: whatever they hold, drhs equals the clean case."""
+  m, sizes = 96, [20, 0, 37]                     # the last group ends mid-block (tile_k = 32)
+  lhs, rhs = _normal((m, K), 5, jnp.float32), _normal((len(sizes), K, N), 6, jnp.float32)
+  ct, gs = _normal((m, N), 7, jnp.float32), jnp.asarray(sizes, jnp.int32)
+  dirty = lhs.at[sum(sizes):sum(sizes) + 3].set(jnp.asarray([jnp.nan, jnp.inf, -jnp.inf])[:, None])
+  grad = jax.grad(lambda a, b: jnp.sum(gmm_pallas_gpu(a, b, gs, config=CFG, interpret=True) * ct),
+                  argnums=(0, 1))
+  dl_clean, dr_clean = grad(lhs, rhs)
+  dl_dirty, dr_dirty = grad(dirty, rhs)
+  assert np.all(np.isfinite(dr_dirty))
+  np.testing.assert_array_equal(dr_dirty, dr_clean)
+  np.testing.assert_array_equal(dl_dirty, dl_clean)
+
+
 @pytest.mark.parametrize("tile,align", [(64, 8), (16, 16), (8, 8)])
 def test_row_schedule_covers_every_row_once(tile, align):
   """Every row is kept by exactly one item, of its own group (tail rows: group G)."""
@@ -99,12 +114,9 @@ def test_row_schedule_covers_every_row_once(tile, align):
     np.testing.assert_array_equal(owner, want)
 
 
-def test_auto_backend_is_ragged_dot_off_gpu_and_tpu_is_reported():
-  assert moe_ops.resolve_backend("auto", (256, 512), (4, 512, 512), jnp.bfloat16) == (
-      "pallas_gpu" if jax.default_backend() == "gpu" else "ragged_dot")
-  lhs, rhs = _normal((8, K), 0, jnp.float32), _normal((2, K, N), 1, jnp.float32)
-  with pytest.raises(NotImplementedError, match="pallas_tpu"):
-    moe_ops.gmm(lhs, rhs, jnp.asarray([4, 4]), backend="pallas_tpu")
+def test_auto_backend_is_pallas_gpu_only_on_gpu():
+  expected = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "ragged_dot")
+  assert moe_ops.resolve_backend("auto", (256, 512), (4, 512, 512), jnp.bfloat16) == expected
 
 
 def test_mgpu_rejects_untileable_shapes():
