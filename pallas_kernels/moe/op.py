@@ -2,8 +2,9 @@
 
 Token routing in k3train is dropless: the T·k (token, expert) pairs are sorted by expert so every
 expert's rows are contiguous, the experts run as one grouped matmul over the sorted rows, and the
-results are un-sorted and summed per token with the routing weights (k3-math §5.5). The Pallas GPU
-gmm (Mosaic GPU, pallas_kernels.moe.mgpu) sits behind `backend`; a TPU kernel is still to come.
+results are un-sorted and summed per token with the routing weights (k3-math §5.5). The Pallas
+gmm kernels sit behind `backend`: Mosaic GPU (pallas_kernels.moe.mgpu) and Mosaic TPU
+(pallas_kernels.moe.pallas_tpu).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import pallas_gpu
+from pallas_kernels.moe import pallas_gpu, pallas_tpu
 from pallas_kernels.moe.ragged import gmm_ragged_dot
 from pallas_kernels.moe.reference import gmm_reference
 
@@ -23,8 +24,9 @@ def _gmm_pallas_gpu(lhs, rhs, group_sizes):
 
 
 def _gmm_pallas_tpu(lhs, rhs, group_sizes):
-  raise NotImplementedError("gmm backend 'pallas_tpu' is not implemented yet (k3train issue 7); "
-                            "use 'auto' or 'ragged_dot' on TPU")
+  # Off-TPU the Mosaic TPU kernels run in Pallas' TPU interpret mode (slow; for tests).
+  return pallas_tpu.gmm_pallas_tpu(lhs, rhs, group_sizes,
+                                   interpret=jax.default_backend() != "tpu")
 
 
 _GMM_IMPLS = {
@@ -40,13 +42,18 @@ def resolve_backend(backend: str, lhs_shape=None, rhs_shape=None, dtype=None) ->
   """Map a backend name to a concrete implementation name.
 
   "auto" → "pallas_gpu" on a GPU when the kernels tile the shapes and the dtype is bf16/f16
-  (measured 580–660 TFLOP/s on an H200 vs ragged_dot's 23–96, benchmarks/moe_gmm.md), else
-  "ragged_dot" (CPU, TPU, fp32, odd shapes).
+  (measured 580–660 TFLOP/s on an H200 vs ragged_dot's 23–96, benchmarks/moe_gmm.md);
+  "pallas_tpu" on a TPU when its tiles divide K and N and the dtype is bf16/fp32 (not yet
+  measured on TPU hardware); else "ragged_dot" (CPU, odd shapes and dtypes).
   """
   if backend == "auto":
-    if (jax.default_backend() == "gpu" and lhs_shape is not None
+    platform = jax.default_backend()
+    if (platform == "gpu" and lhs_shape is not None
         and pallas_gpu.supports(lhs_shape, rhs_shape, dtype)):
       return "pallas_gpu"
+    if (platform == "tpu" and lhs_shape is not None
+        and pallas_tpu.supports(lhs_shape, rhs_shape, dtype)):
+      return "pallas_tpu"
     return "ragged_dot"
   if backend not in _GMM_IMPLS:
     raise ValueError(f"unknown gmm backend {backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -62,7 +69,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   sum(group_sizes) give zeros. Accumulates in fp32 and returns the promoted input dtype.
   Backends: "reference" (dense one-hot, readable, O(M·G·K·N)), "ragged_dot", "pallas_gpu"
   (Mosaic GPU kernels with a custom_vjp: dlhs by the same kernel on rhsᵀ, drhs by a tgmm kernel;
-  bf16/f16 on hardware), "pallas_tpu" (not implemented yet) and "auto" (see resolve_backend).
+  bf16/f16 on hardware), "pallas_tpu" (Mosaic TPU kernels, the same custom_vjp structure; bf16/fp32)
+  and "auto" (see resolve_backend).
   """
   if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
     raise ValueError(f"gmm expects lhs [M, K], rhs [G, K, N], group_sizes [G]; got "

@@ -52,15 +52,18 @@ def test_gmm_fp32_backends_agree(sizes, _why):
   gs = jnp.asarray(sizes, jnp.int32)
   ref = gmm(lhs, rhs, gs, backend="reference")
   rag = gmm(lhs, rhs, gs, backend="ragged_dot")
+  tpu = gmm(lhs, rhs, gs, backend="pallas_tpu")   # TPU interpret mode off-TPU; K, N = full dims
   auto = moe_ops.gmm(lhs, rhs, gs)
-  assert ref.dtype == rag.dtype == jnp.float32
+  assert ref.dtype == rag.dtype == tpu.dtype == jnp.float32
   np.testing.assert_allclose(ref, rag, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(ref, tpu, atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(auto, rag)
   np.testing.assert_allclose(ref, _loop_gmm(lhs, rhs, sizes), atol=1e-5, rtol=1e-5)
   # Rows at or past sum(group_sizes) are exactly zero in both backends.
   used = sum(sizes)
   np.testing.assert_array_equal(ref[used:], 0.0)
   np.testing.assert_array_equal(rag[used:], 0.0)
+  np.testing.assert_array_equal(tpu[used:], 0.0)
 
 
 @pytest.mark.parametrize("sizes,_why", GROUP_CASES)
@@ -71,12 +74,22 @@ def test_gmm_bf16_backends_agree(sizes, _why):
   gs = jnp.asarray(sizes, jnp.int32)
   ref = gmm(lhs, rhs, gs, backend="reference")
   rag = gmm(lhs, rhs, gs, backend="ragged_dot")
-  assert ref.dtype == rag.dtype == jnp.bfloat16
+  tpu = gmm(lhs, rhs, gs, backend="pallas_tpu")
+  assert ref.dtype == rag.dtype == tpu.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(rag, np.float32),
                              atol=1e-2, rtol=1e-2)
+  np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(tpu, np.float32),
+                             atol=1e-2, rtol=1e-2)
+  np.testing.assert_array_equal(np.asarray(tpu[sum(sizes):], np.float32), 0.0)
   np.testing.assert_allclose(np.asarray(rag, np.float32), _loop_gmm(lhs, rhs, sizes),
                              atol=3e-2, rtol=1e-2)
   np.testing.assert_array_equal(np.asarray(rag[sum(sizes):], np.float32), 0.0)
+
+
+# d/d(lhs, rhs) of sum(gmm · ct); group sizes traced, so one compile per backend for all cases.
+_gmm_grads = jax.jit(
+    jax.grad(lambda a, b, gs, ct, backend: jnp.sum(moe_ops.gmm(a, b, gs, backend=backend) * ct),
+             argnums=(0, 1)), static_argnames=("backend",))
 
 
 @pytest.mark.parametrize("sizes,_why", GROUP_CASES)
@@ -86,18 +99,22 @@ def test_gmm_gradients_agree(sizes, _why):
   ct_mn = normal((M, N), 7)
 
   def grads(backend):
-    loss = lambda a, b: jnp.sum(moe_ops.gmm(a, b, gs, backend=backend) * ct_mn)
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+    return _gmm_grads(lhs, rhs, gs, ct_mn, backend=backend)
 
   dl_ref, dr_ref = grads("reference")
   dl_rag, dr_rag = grads("ragged_dot")
+  dl_tpu, dr_tpu = grads("pallas_tpu")
   np.testing.assert_allclose(dl_ref, dl_rag, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(dr_ref, dr_rag, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(dl_ref, dl_tpu, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(dr_ref, dr_tpu, atol=1e-5, rtol=1e-5)
   # Rows in no group get no gradient; empty groups' matrices get no gradient.
   np.testing.assert_array_equal(dl_rag[sum(sizes):], 0.0)
+  np.testing.assert_array_equal(dl_tpu[sum(sizes):], 0.0)
   for g, size in enumerate(sizes):
     if size == 0:
       np.testing.assert_array_equal(dr_rag[g], 0.0)
+      np.testing.assert_array_equal(dr_tpu[g], 0.0)
 
 
 def test_gmm_jit_with_traced_group_sizes():
