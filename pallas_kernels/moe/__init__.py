@@ -2,8 +2,8 @@
 
 Backends: "reference" (dense, readable), "ragged_dot" (`jax.lax.ragged_dot`, portable),
 "pallas_gpu" (Mosaic GPU kernels, mgpu.py), "pallas_tpu" (Mosaic TPU kernels, pallas_tpu.py) and
-"auto" (pallas_gpu on GPU for bf16/f16 shapes it tiles, pallas_tpu on TPU for bf16/fp32 shapes it
-tiles, ragged_dot elsewhere).
+"auto" (pallas_gpu on GPU for bf16/f16 shapes it tiles, ragged_dot elsewhere; pallas_tpu by name
+until it has run on a TPU).
 """
 
 from pallas_kernels.moe.op import BACKENDS, combine, dispatch, gmm, resolve_backend

@@ -42,18 +42,15 @@ def resolve_backend(backend: str, lhs_shape=None, rhs_shape=None, dtype=None) ->
   """Map a backend name to a concrete implementation name.
 
   "auto" → "pallas_gpu" on a GPU when the kernels tile the shapes and the dtype is bf16/f16
-  (measured 580–660 TFLOP/s on an H200 vs ragged_dot's 23–96, benchmarks/moe_gmm.md);
-  "pallas_tpu" on a TPU when its tiles divide K and N and the dtype is bf16/fp32 (not yet
-  measured on TPU hardware); else "ragged_dot" (CPU, odd shapes and dtypes).
+  (measured 580–660 TFLOP/s on an H200 vs ragged_dot's 23–96, benchmarks/moe_gmm.md); else
+  "ragged_dot" (CPU, TPU, odd shapes and dtypes). "pallas_tpu" is chosen only by name: it has
+  run in TPU interpret mode and lowered to Mosaic, but never compiled or been timed on a TPU,
+  so "auto" does not bet the default TPU path on it yet.
   """
   if backend == "auto":
-    platform = jax.default_backend()
-    if (platform == "gpu" and lhs_shape is not None
+    if (jax.default_backend() == "gpu" and lhs_shape is not None
         and pallas_gpu.supports(lhs_shape, rhs_shape, dtype)):
       return "pallas_gpu"
-    if (platform == "tpu" and lhs_shape is not None
-        and pallas_tpu.supports(lhs_shape, rhs_shape, dtype)):
-      return "pallas_tpu"
     return "ragged_dot"
   if backend not in _GMM_IMPLS:
     raise ValueError(f"unknown gmm backend {backend!r}; allowed: {', '.join(BACKENDS)}")

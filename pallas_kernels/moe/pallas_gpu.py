@@ -1,19 +1,17 @@
 """The "pallas_gpu" gmm backend: Mosaic GPU kernels (mgpu.py) behind a custom_vjp.
 
-Forward: gmm_mgpu(lhs, rhs). Backward (ragged_dot's own rules): dlhs = gmm of the cotangent with
-rhs[g]ᵀ (the same kernel, transposed B operand), drhs = tgmm(lhs, cotangent) per group. Inputs
-are cast to their promoted dtype first (the kernels take one dtype); the result has that dtype.
+Forward gmm_mgpu(lhs, rhs); backward through `vjp.differentiable_gmm` (dlhs by gmm_mgpu with
+rhs[g]ᵀ, drhs by tgmm_mgpu), with the padding rows tgmm reads zeroed first.
 Shapes the kernels cannot tile (see mgpu.py) raise ValueError; "auto" routes those to ragged_dot.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.mgpu import MgpuConfig, gmm_mgpu, tgmm_mgpu
+from pallas_kernels.moe.vjp import differentiable_gmm
 
 DEFAULT_CONFIG = MgpuConfig()
 
@@ -28,18 +26,8 @@ def supports(lhs_shape, rhs_shape, dtype, config: MgpuConfig = DEFAULT_CONFIG) -
           and n % cta_n == 0 and k % cta_n == 0 and k % config.tile_m == 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm(lhs_mk, rhs_gkn, group_sizes_g, config, interpret):
-  return gmm_mgpu(lhs_mk, rhs_gkn, group_sizes_g, config=config, interpret=interpret)
-
-
-def _gmm_fwd(lhs_mk, rhs_gkn, group_sizes_g, config, interpret):
-  out = gmm_mgpu(lhs_mk, rhs_gkn, group_sizes_g, config=config, interpret=interpret)
-  return out, (lhs_mk, rhs_gkn, group_sizes_g)
-
-
-def _zero_rows_after_groups(lhs_mk, group_sizes_g, rows: int):
-  """lhs with the `rows` rows after sum(group_sizes) zeroed (no full pass over lhs).
+def _zero_rows_after_groups(lhs_mk, group_sizes_g, config: MgpuConfig):
+  """lhs with the tile_k rows after sum(group_sizes) zeroed (no full pass over lhs).
 
   tgmm reduces each group in blocks of tile_k rows from the group's first row, and zeroes the
   cotangent past the group's end; a padding row holding inf/NaN would still give 0 · inf = NaN
@@ -47,7 +35,7 @@ def _zero_rows_after_groups(lhs_mk, group_sizes_g, rows: int):
   window keeps drhs finite whatever the padding holds.
   """
   m = lhs_mk.shape[0]
-  window = min(rows, m)
+  window = min(config.tile_k, m)
   total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes_g, 0)), m)
   start = jnp.clip(total, 0, m - window)
   block = jax.lax.dynamic_slice_in_dim(lhs_mk, start, window, axis=0)
@@ -56,22 +44,10 @@ def _zero_rows_after_groups(lhs_mk, group_sizes_g, rows: int):
   return jax.lax.dynamic_update_slice_in_dim(lhs_mk, block, start, axis=0)
 
 
-def _gmm_bwd(config, interpret, res, dout_mn):
-  lhs_mk, rhs_gkn, group_sizes_g = res
-  dout_mn = dout_mn.astype(lhs_mk.dtype)
-  lhs_mk = _zero_rows_after_groups(lhs_mk, group_sizes_g, config.tile_k)
-  dlhs_mk = gmm_mgpu(dout_mn, rhs_gkn, group_sizes_g, transpose_rhs=True, config=config,
-                     interpret=interpret)
-  drhs_gkn = tgmm_mgpu(lhs_mk, dout_mn, group_sizes_g, config=config, interpret=interpret)
-  return dlhs_mk, drhs_gkn, None
-
-
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_gmm = differentiable_gmm(gmm_mgpu, tgmm_mgpu, prepare_tgmm_lhs=_zero_rows_after_groups)
 
 
 def gmm_pallas_gpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Array, *,
                    config: MgpuConfig = DEFAULT_CONFIG, interpret: bool = False) -> jax.Array:
   """ragged_dot(lhs, rhs, group_sizes) on the Mosaic GPU kernels, differentiable in lhs and rhs."""
-  dtype = jnp.result_type(lhs_mk.dtype, rhs_gkn.dtype)
-  return _gmm(lhs_mk.astype(dtype), rhs_gkn.astype(dtype), group_sizes_g.astype(jnp.int32),
-              config, interpret)
+  return _gmm(lhs_mk, rhs_gkn, group_sizes_g, config=config, interpret=interpret)

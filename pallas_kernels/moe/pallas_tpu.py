@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.moe.schedule import RowSchedule, row_schedule
+from pallas_kernels.moe.vjp import differentiable_gmm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,26 +337,7 @@ def tgmm_tpu(lhs_mk: jax.Array, dout_mn: jax.Array, group_sizes_g: jax.Array, *,
 
 # ------------------------------------------------------------------------------ custom_vjp wrapper
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm(lhs_mk, rhs_gkn, group_sizes_g, config, interpret):
-  return gmm_tpu(lhs_mk, rhs_gkn, group_sizes_g, config=config, interpret=interpret)
-
-
-def _gmm_fwd(lhs_mk, rhs_gkn, group_sizes_g, config, interpret):
-  out_mn = gmm_tpu(lhs_mk, rhs_gkn, group_sizes_g, config=config, interpret=interpret)
-  return out_mn, (lhs_mk, rhs_gkn, group_sizes_g)
-
-
-def _gmm_bwd(config, interpret, res, dout_mn):
-  lhs_mk, rhs_gkn, group_sizes_g = res
-  dout_mn = dout_mn.astype(lhs_mk.dtype)
-  dlhs_mk = gmm_tpu(dout_mn, rhs_gkn, group_sizes_g, transpose_rhs=True, config=config,
-                    interpret=interpret)
-  drhs_gkn = tgmm_tpu(lhs_mk, dout_mn, group_sizes_g, config=config, interpret=interpret)
-  return dlhs_mk, drhs_gkn, None
-
-
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_gmm = differentiable_gmm(gmm_tpu, tgmm_tpu)
 
 
 def gmm_pallas_tpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Array, *,
@@ -364,6 +346,4 @@ def gmm_pallas_tpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Arr
 
   Inputs are cast to their promoted dtype (the kernels take one dtype); the result has that dtype.
   """
-  dtype = jnp.result_type(lhs_mk.dtype, rhs_gkn.dtype)
-  return _gmm(lhs_mk.astype(dtype), rhs_gkn.astype(dtype), group_sizes_g.astype(jnp.int32),
-              config, interpret)
+  return _gmm(lhs_mk, rhs_gkn, group_sizes_g, config=config, interpret=interpret)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe as moe_ops
+from tests.pallas_kernels.gmm_testing import loop_gmm, normal
 
 M, K, N = 12, 8, 6
 
@@ -21,29 +22,12 @@ GROUP_CASES = [
 ]
 
 
-def normal(shape, seed):
-  """Test inputs from numpy (no XLA compile per shape)."""
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
 def _operands(dtype=jnp.float32, seed=0):
   return normal((M, K), seed).astype(dtype), normal((4, K, N), seed + 100).astype(dtype)
 
 
 # Tests call the ops through jit: one compile per case instead of one per eager primitive.
 gmm = jax.jit(moe_ops.gmm, static_argnames=("backend",))
-
-
-def _loop_gmm(lhs_mk, rhs_gkn, group_sizes):
-  """Ground truth by a plain numpy loop over rows, in float64."""
-  lhs, rhs = np.asarray(lhs_mk, np.float64), np.asarray(rhs_gkn, np.float64)
-  out = np.zeros((lhs.shape[0], rhs.shape[2]))
-  row = 0
-  for g, size in enumerate(group_sizes):
-    for r in range(row, row + size):
-      out[r] = lhs[r] @ rhs[g]
-    row += size
-  return out
 
 
 @pytest.mark.parametrize("sizes,_why", GROUP_CASES)
@@ -58,7 +42,7 @@ def test_gmm_fp32_backends_agree(sizes, _why):
   np.testing.assert_allclose(ref, rag, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(ref, tpu, atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(auto, rag)
-  np.testing.assert_allclose(ref, _loop_gmm(lhs, rhs, sizes), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(ref, loop_gmm(lhs, rhs, sizes), atol=1e-5, rtol=1e-5)
   # Rows at or past sum(group_sizes) are exactly zero in both backends.
   used = sum(sizes)
   np.testing.assert_array_equal(ref[used:], 0.0)
@@ -81,7 +65,7 @@ def test_gmm_bf16_backends_agree(sizes, _why):
   np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(tpu, np.float32),
                              atol=1e-2, rtol=1e-2)
   np.testing.assert_array_equal(np.asarray(tpu[sum(sizes):], np.float32), 0.0)
-  np.testing.assert_allclose(np.asarray(rag, np.float32), _loop_gmm(lhs, rhs, sizes),
+  np.testing.assert_allclose(np.asarray(rag, np.float32), loop_gmm(lhs, rhs, sizes),
                              atol=3e-2, rtol=1e-2)
   np.testing.assert_array_equal(np.asarray(rag[sum(sizes):], np.float32), 0.0)
 
@@ -122,7 +106,7 @@ def test_gmm_jit_with_traced_group_sizes():
   f = jax.jit(lambda a, b, g: moe_ops.gmm(a, b, g, backend="ragged_dot"))
   for sizes, _ in GROUP_CASES:
     gs = jnp.asarray(sizes, jnp.int32)
-    np.testing.assert_allclose(f(lhs, rhs, gs), _loop_gmm(lhs, rhs, sizes), atol=1e-5)
+    np.testing.assert_allclose(f(lhs, rhs, gs), loop_gmm(lhs, rhs, sizes), atol=1e-5)
 
 
 def test_gmm_unknown_backend_names_allowed_ones():

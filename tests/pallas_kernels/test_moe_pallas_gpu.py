@@ -17,6 +17,7 @@ from pallas_kernels import moe as moe_ops
 from pallas_kernels.moe import mgpu
 from pallas_kernels.moe.pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.moe.schedule import max_items, row_schedule
+from tests.pallas_kernels.gmm_testing import loop_gmm, normal
 from tests.pallas_kernels import mgpu_interpret_shim
 
 mgpu_interpret_shim.install()
@@ -26,19 +27,6 @@ CFG = mgpu.MgpuConfig(tile_m=64, tile_n=64, tile_k=32, stages=2, epi_n=64, grid_
 K, N = 128, 128
 
 
-def _normal(shape, seed, dtype):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32).astype(dtype)
-
-
-def _loop_gmm(lhs, rhs, sizes):
-  lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
-  out, row = np.zeros((lhs.shape[0], rhs.shape[2])), 0
-  for g, s in enumerate(sizes):
-    out[row:row + s] = lhs[row:row + s] @ rhs[g]
-    row += s
-  return out
-
-
 @pytest.mark.parametrize("m,sizes,dtype,tol", [
     # M not a multiple of the tile (nor of 8), an empty group, rows past sum(group_sizes), bf16.
     (203, [50, 0, 70, 60], jnp.bfloat16, 2e-2),
@@ -46,22 +34,22 @@ def _loop_gmm(lhs, rhs, sizes):
     (128, [0, 0, 128, 0], jnp.float32, 1e-5),
 ])
 def test_pallas_gpu_forward_equals_reference(m, sizes, dtype, tol):
-  lhs, rhs = _normal((m, K), 0, dtype), _normal((len(sizes), K, N), 1, dtype)
+  lhs, rhs = normal((m, K), 0, dtype), normal((len(sizes), K, N), 1, dtype)
   gs = jnp.asarray(sizes, jnp.int32)
   out = gmm_pallas_gpu(lhs, rhs, gs, config=CFG, interpret=True)
   ref = moe_ops.gmm(lhs, rhs, gs, backend="reference")
   assert out.dtype == ref.dtype == dtype
   out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
   np.testing.assert_allclose(out32, ref32, atol=tol * 10, rtol=tol)
-  np.testing.assert_allclose(out32, _loop_gmm(lhs, rhs, sizes), atol=tol * 10, rtol=tol)
+  np.testing.assert_allclose(out32, loop_gmm(lhs, rhs, sizes), atol=tol * 10, rtol=tol)
   np.testing.assert_array_equal(out32[sum(sizes):], 0.0)       # rows in no group: zeros
 
 
 def test_pallas_gpu_gradients_equal_reference():
   """dlhs (gmm with rhsᵀ) and drhs (tgmm; group starts not 8-aligned, an empty group)."""
   m, sizes = 203, [3, 0, 77, 60, 1]
-  lhs, rhs = _normal((m, K), 2, jnp.float32), _normal((len(sizes), K, N), 3, jnp.float32)
-  ct = _normal((m, N), 4, jnp.float32)
+  lhs, rhs = normal((m, K), 2, jnp.float32), normal((len(sizes), K, N), 3, jnp.float32)
+  ct = normal((m, N), 4, jnp.float32)
   gs = jnp.asarray(sizes, jnp.int32)
   loss_p = lambda a, b: jnp.sum(gmm_pallas_gpu(a, b, gs, config=CFG, interpret=True) * ct)
   loss_r = lambda a, b: jnp.sum(moe_ops.gmm(a, b, gs, backend="reference") * ct)
@@ -76,8 +64,8 @@ def test_pallas_gpu_gradients_equal_reference():
 def test_pallas_gpu_weight_gradient_ignores_inf_and_nan_padding_rows():
   """Rows past sum(group_sizes) are padding: whatever they hold, drhs equals the clean case."""
   m, sizes = 96, [20, 0, 37]                     # the last group ends mid-block (tile_k = 32)
-  lhs, rhs = _normal((m, K), 5, jnp.float32), _normal((len(sizes), K, N), 6, jnp.float32)
-  ct, gs = _normal((m, N), 7, jnp.float32), jnp.asarray(sizes, jnp.int32)
+  lhs, rhs = normal((m, K), 5, jnp.float32), normal((len(sizes), K, N), 6, jnp.float32)
+  ct, gs = normal((m, N), 7, jnp.float32), jnp.asarray(sizes, jnp.int32)
   dirty = lhs.at[sum(sizes):sum(sizes) + 3].set(jnp.asarray([jnp.nan, jnp.inf, -jnp.inf])[:, None])
   grad = jax.grad(lambda a, b: jnp.sum(gmm_pallas_gpu(a, b, gs, config=CFG, interpret=True) * ct),
                   argnums=(0, 1))
@@ -115,11 +103,11 @@ def test_row_schedule_covers_every_row_once(tile, align):
 
 
 def test_auto_backend_is_pallas_gpu_only_on_gpu():
-  expected = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "ragged_dot")
+  expected = "pallas_gpu" if jax.default_backend() == "gpu" else "ragged_dot"
   assert moe_ops.resolve_backend("auto", (256, 512), (4, 512, 512), jnp.bfloat16) == expected
 
 
 def test_mgpu_rejects_untileable_shapes():
-  lhs, rhs = _normal((64, 48), 0, jnp.bfloat16), _normal((2, 48, 128), 1, jnp.bfloat16)
+  lhs, rhs = normal((64, 48), 0, jnp.bfloat16), normal((2, 48, 128), 1, jnp.bfloat16)
   with pytest.raises(ValueError, match="tile_k"):
     mgpu.gmm_mgpu(lhs, rhs, jnp.asarray([32, 32]), config=CFG, interpret=True)

@@ -18,24 +18,11 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import moe as moe_ops
 from pallas_kernels.moe import pallas_tpu
 from pallas_kernels.moe.pallas_tpu import TpuGmmConfig, gmm_pallas_tpu, tgmm_schedule, tgmm_tpu
+from tests.pallas_kernels.gmm_testing import loop_gmm, normal
 
 CFG = TpuGmmConfig(tile_m=16, tile_k=128, tile_n=128)
 INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
 K, N = 256, 256
-
-
-def _normal(shape, seed, dtype=jnp.float32):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32).astype(dtype)
-
-
-def _loop_gmm(lhs, rhs, sizes):
-  """Ground truth by a numpy loop over groups, in float64."""
-  lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
-  out, row = np.zeros((lhs.shape[0], rhs.shape[2])), 0
-  for g, s in enumerate(sizes):
-    out[row:row + s] = lhs[row:row + s] @ rhs[g]
-    row += s
-  return out
 
 
 def _gmm(lhs, rhs, gs):
@@ -51,20 +38,20 @@ def _gmm(lhs, rhs, gs):
     (40, [0, 0, 0, 0], jnp.float32, 1e-5, 1e-4),
 ])
 def test_forward_equals_float64_loop(m, sizes, dtype, rtol, atol):
-  lhs, rhs = _normal((m, K), 0, dtype), _normal((len(sizes), K, N), 1, dtype)
+  lhs, rhs = normal((m, K), 0, dtype), normal((len(sizes), K, N), 1, dtype)
   out = _gmm(lhs, rhs, jnp.asarray(sizes, jnp.int32))
   assert out.dtype == dtype and out.shape == (m, N)
   out32 = np.asarray(out, np.float32)
   assert np.all(np.isfinite(out32)), "a row no work item wrote (fresh VMEM is NaN)"
-  np.testing.assert_allclose(out32, _loop_gmm(lhs, rhs, sizes), rtol=rtol, atol=atol)
+  np.testing.assert_allclose(out32, loop_gmm(lhs, rhs, sizes), rtol=rtol, atol=atol)
   np.testing.assert_array_equal(out32[sum(sizes):], 0.0)       # rows in no group: zeros
 
 
 def test_gradients_equal_reference_backend():
   """dlhs (gmm with rhsᵀ, no transpose materialised) and drhs (tgmm) vs the dense reference."""
   m, sizes = 75, [3, 0, 40, 17, 1]                              # 14 tail rows
-  lhs, rhs = _normal((m, K), 2), _normal((len(sizes), K, N), 3)
-  ct = _normal((m, N), 4)
+  lhs, rhs = normal((m, K), 2), normal((len(sizes), K, N), 3)
+  ct = normal((m, N), 4)
   gs = jnp.asarray(sizes, jnp.int32)
   loss_p = lambda a, b: jnp.sum(_gmm(a, b, gs) * ct)
   loss_r = lambda a, b: jnp.sum(moe_ops.gmm(a, b, gs, backend="reference") * ct)
@@ -80,7 +67,7 @@ def test_non_finite_rows_do_not_leak():
   """inf in one group's rows and NaN in the rows past sum(group_sizes) (lhs and cotangent) leave
   every other output row and every other group's drhs bitwise equal to the clean case."""
   m, sizes = 61, [9, 20, 0, 14]                                 # 18 tail rows; tiles straddle
-  lhs, rhs, ct = _normal((m, K), 5), _normal((len(sizes), K, N), 6), _normal((m, N), 7)
+  lhs, rhs, ct = normal((m, K), 5), normal((len(sizes), K, N), 6), normal((m, N), 7)
   gs = jnp.asarray(sizes, jnp.int32)
   used, g1 = sum(sizes), slice(9, 29)
   lhs_bad = lhs.at[used:].set(jnp.nan).at[g1].set(jnp.inf)
@@ -140,13 +127,13 @@ def test_tgmm_schedule_gives_every_group_an_item():
 
 def test_public_gmm_uses_the_tpu_kernel(monkeypatch):
   calls = []
-  real = pallas_tpu.gmm_tpu
-  monkeypatch.setattr(pallas_tpu, "gmm_tpu", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+  real = pallas_tpu.gmm_pallas_tpu
+  monkeypatch.setattr(pallas_tpu, "gmm_pallas_tpu", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
   sizes = [5, 0, 11]
-  lhs, rhs = _normal((19, 128), 8), _normal((3, 128, 128), 9)
+  lhs, rhs = normal((19, 128), 8), normal((3, 128, 128), 9)
   out = moe_ops.gmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), backend="pallas_tpu")
   assert len(calls) == 1 and calls[0]["interpret"] == (jax.default_backend() != "tpu")
-  np.testing.assert_allclose(out, _loop_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(out, loop_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-4)
 
 
 def test_shapes_that_do_not_tile_are_rejected():
@@ -154,16 +141,15 @@ def test_shapes_that_do_not_tile_are_rejected():
     TpuGmmConfig(tile_k=100)
   with pytest.raises(ValueError, match="tile_m"):
     TpuGmmConfig(tile_m=12)
-  lhs, rhs = _normal((32, 384), 0), _normal((2, 384, 128), 1)   # K=384 is not a multiple of 256
+  lhs, rhs = normal((32, 384), 0), normal((2, 384, 128), 1)   # K=384 is not a multiple of 256
   cfg = TpuGmmConfig(tile_m=16, tile_k=256, tile_n=128)
   with pytest.raises(ValueError, match="K .*tile_k=256"):
     gmm_pallas_tpu(lhs, rhs, jnp.asarray([16, 16]), config=cfg, interpret=INTERPRET)
   assert not pallas_tpu.supports((32, 384), (2, 384, 128), jnp.bfloat16, cfg)
   assert pallas_tpu.supports((32, 512), (2, 512, 256), jnp.bfloat16, cfg)
   assert not pallas_tpu.supports((32, 512), (2, 512, 256), jnp.float16, cfg)
-  # "auto" takes the TPU kernel only on a TPU.
-  want = "pallas_tpu" if jax.default_backend() == "tpu" else (
-      "pallas_gpu" if jax.default_backend() == "gpu" else "ragged_dot")
+  # "auto" never takes the TPU kernel until it has run on TPU hardware.
+  want = "pallas_gpu" if jax.default_backend() == "gpu" else "ragged_dot"
   assert moe_ops.resolve_backend("auto", (256, 512), (4, 512, 512), jnp.bfloat16) == want
 
 
