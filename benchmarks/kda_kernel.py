@@ -1,8 +1,16 @@
 """KDA chunk kernels on one GPU: correctness vs the reference, then timings vs fla's chunk_kda.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_kernel.py [--shapes=2x8192x16,1x8192x96]
+      [--variants=fused,split,split-bv64] [--check-variants=fused,split] [--skip=jax,fla_check]
 
-1. Checks (printed as max abs errors): pallas_gpu against the fp32 token recurrence ("reference")
+pallas_gpu variants (pallas_gpu.py): "fused" (sequential kernels compute everything per chunk,
+the default) or "split" (sequential kernels only carry the state; output / local backward terms in
+chunk-parallel kernels), with options joined by "-": bv<N> (V-block of the sequential kernels,
+default 32), w<N> (their num_warps, default 4), nohoist (split backward keeps Qgᵀ dO in the loop).
+Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
+
+1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
+   recurrence ("reference")
    on a ragged T with mid-chunk segment resets and a non-zero initial state, in fp32 (IEEE dots)
    and in bf16 (reference run in fp32 on the same bf16-rounded inputs): outputs, final state and
    gradients wrt q, k, v, g, beta, initial_state. Also the "jax" backend, and fla's chunk_kda on
@@ -10,9 +18,11 @@
 2. Timings at each B×T×H (K = V = 128, bf16 q/k/v/beta, fp32 g from the lower-bound gate
    −5σ(·), unit-norm q/k, no initial state, no final state): forward and forward+backward
    (gradients wrt q, k, v, g, beta) for fla 0.6.0 chunk_kda (torch + triton) and our
-   "pallas_gpu" and "jax" backends, all in this one process. Each timing: warm-up, then the
-   median of 5 repeats of a 10-call loop (CUDA events for torch, block_until_ready for JAX).
-Prints one table at the end; pass --json to also dump the numbers.
+   "pallas_gpu" (each --variants) and "jax" backends, all in this one process. Each timing:
+   warm-up, then the median of 5 repeats of a 10-call loop (CUDA events for torch,
+   block_until_ready for JAX). Each line also gives the wall seconds of that entry (compiles
+   included), to plan the next run inside the device's 600 s per-call limit.
+Prints the log and a markdown table (ms, and × fla) at the end; --json dumps the numbers.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.kda import kda  # noqa: E402
+from pallas_kernels.kda import kda, pallas_gpu  # noqa: E402
 
 K = V = 128
 
@@ -51,11 +61,31 @@ def _inputs(rng, b, t, h, dtype):
   return q, k, v, g, beta
 
 
+def parse_variant(name):
+  """'fused' | 'split', then optional '-bv<N>', '-w<N>', '-nohoist' -> pallas_gpu.configured kw."""
+  head, *opts = name.split("-")
+  if head not in ("fused", "split"):
+    raise ValueError(f"variant {name!r}: must start with 'fused' or 'split'")
+  kw = dict(split=head == "split")
+  for opt in opts:
+    if opt.startswith("bv") and opt[2:].isdigit():
+      kw["bv"] = int(opt[2:])
+    elif opt.startswith("w") and opt[1:].isdigit():
+      kw["state_warps"] = int(opt[1:])
+    elif opt == "nohoist" and head == "split":
+      kw["hoist_qdo"] = False
+    else:
+      raise ValueError(f"variant {name!r}: unknown option {opt!r} (bv<N>, w<N>, nohoist)")
+  with pallas_gpu.configured(**kw):   # validates bv / warps before anything runs
+    pass
+  return kw
+
+
 def _err(a, b):
   return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 
 
-def check(lines, skip=frozenset()):
+def check(lines, skip=frozenset(), variants=("fused",)):
   """Correctness on the GPU against the fp32 recurrence; appends report lines."""
   rng = np.random.default_rng(0)
   b, t, h = 2, 1000, 2
@@ -67,7 +97,10 @@ def check(lines, skip=frozenset()):
     q, k, v, g, beta = _inputs(rng, b, t, h, dtype)
     jdt = jnp.float32 if dtype == "fp32" else jnp.bfloat16
 
-    def run_grads(backend, cast):
+    def run_grads(backend, cast, variant=None):
+      if variant is not None:
+        with pallas_gpu.configured(**parse_variant(variant)):
+          return run_grads(backend, cast)
       args = (jnp.asarray(q, cast), jnp.asarray(k, cast), jnp.asarray(v, cast), jnp.asarray(g),
               jnp.asarray(beta, cast), jnp.asarray(s0))
 
@@ -80,19 +113,21 @@ def check(lines, skip=frozenset()):
       return o, s, grads
 
     o_r, s_r, g_r = run_grads("reference", jnp.float32)
-    for backend in ("pallas_gpu", "jax"):
+    entries = [("pallas_gpu", v) for v in variants] + [("jax", None)]
+    for backend, variant in entries:
       if backend in skip:
         continue
+      label = backend if variant is None else f"{backend}[{variant}]"
       try:
-        o, s, gr = run_grads(backend, jdt)
+        o, s, gr = run_grads(backend, jdt, variant)
         errs = [_err(o, o_r), _err(s, s_r)] + [_err(x, y) for x, y in zip(gr, g_r)]
         scale = [_err(o_r, 0), _err(s_r, 0)] + [_err(y, 0) for y in g_r]
-        lines.append(f"check {dtype:4s} {backend:10s} max|err| o {errs[0]:.2e} S {errs[1]:.2e} "
+        lines.append(f"check {dtype:4s} {label:20s} max|err| o {errs[0]:.2e} S {errs[1]:.2e} "
                      + " ".join(f"d{n} {e:.2e}" for n, e in zip(
                          ("q", "k", "v", "g", "beta", "S0"), errs[2:]))
                      + "  (max|ref| " + " ".join(f"{x:.1f}" for x in scale) + ")")
       except Exception:  # keep measuring the rest; the failure is in the log
-        lines.append(f"check {dtype} {backend} FAILED: {traceback.format_exc()[-800:]}")
+        lines.append(f"check {dtype} {label} FAILED: {traceback.format_exc()[-800:]}")
       print(lines[-1], flush=True)
     if dtype == "bf16" and "fla_check" not in skip:
       _check_fla(lines, q, k, v, g, beta, s0)
@@ -183,13 +218,40 @@ def time_fla(np_inputs, reps=10):
   return out
 
 
+def _table(shapes, names, results):
+  """Markdown table: one row per entry, fwd / fwd+bwd ms per shape and the ratio to fla."""
+  head = "| entry | " + " | ".join(f"{s} fwd | {s} fwd+bwd" for s in shapes) + " |"
+  rows = [head, "|" + "---|" * (1 + 2 * len(shapes))]
+  for name in names:
+    cells = []
+    for shape in shapes:
+      res, base = results.get((shape, name)), results.get((shape, "fla"))
+      for i in range(2):
+        if res is None:
+          cells.append("—")
+        elif base is None or name == "fla":
+          cells.append(f"{res[i]:.3f} ms")
+        else:
+          cells.append(f"{res[i]:.3f} ms ({res[i] / base[i]:.2f}× fla)")
+    rows.append(f"| {name} | " + " | ".join(cells) + " |")
+  return "\n".join(rows)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default="2x8192x16,1x8192x96")
+  ap.add_argument("--variants", default="fused,split,split-bv64",
+                  help="pallas_gpu variants to time (see the module docstring)")
+  ap.add_argument("--check-variants", default="fused,split",
+                  help="pallas_gpu variants to check against the reference")
   ap.add_argument("--skip", default="", help="comma list of: check,fla_check,fla,pallas_gpu,jax")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   skip = set(filter(None, a.skip.split(",")))
+  variants = [v for v in a.variants.split(",") if v]
+  check_variants = [v for v in a.check_variants.split(",") if v]
+  for v in variants + check_variants:
+    parse_variant(v)                    # bad names fail before any device time is spent
   lines = [f"jax {jax.__version__} devices {jax.devices()}"]
   try:
     import torch
@@ -200,26 +262,39 @@ def main():
     lines.append(f"torch unavailable: {e}")
   print("\n".join(lines), flush=True)
   if "check" not in skip:
-    check(lines, skip)
+    start = time.perf_counter()
+    check(lines, skip, check_variants)
+    lines.append(f"check took {time.perf_counter() - start:.0f} s")
+    print(lines[-1], flush=True)
   results = {}
+  entries = [("fla", None)] + [(f"pallas_gpu[{v}]", v) for v in variants] + [("jax", None)]
+  entries = [(n, v) for n, v in entries if n.split("[")[0] not in skip]
   rng = np.random.default_rng(1)
-  for shape in a.shapes.split(","):
+  shapes = a.shapes.split(",")
+  for shape in shapes:
     b, t, h = map(int, shape.split("x"))
     np_in = _inputs(rng, b, t, h, "bf16")
     arrays = tuple(jnp.asarray(x, jnp.float32 if i == 3 else jnp.bfloat16)
                    for i, x in enumerate(np_in))
-    for name in ("fla", "pallas_gpu", "jax"):
-      if name in skip:
-        continue
+    for name, variant in entries:
+      start = time.perf_counter()
       try:
-        res = time_fla(np_in) if name == "fla" else time_jax(name, arrays)
+        if name == "fla":
+          res = time_fla(np_in)
+        elif variant is not None:
+          with pallas_gpu.configured(**parse_variant(variant)):
+            res = time_jax("pallas_gpu", arrays)
+        else:
+          res = time_jax(name, arrays)
         results[(shape, name)] = res
-        line = f"time {shape:12s} {name:10s} fwd {res[0]:8.3f} ms  fwd+bwd {res[1]:8.3f} ms"
+        line = (f"time {shape:12s} {name:26s} fwd {res[0]:8.3f} ms  fwd+bwd {res[1]:8.3f} ms"
+                f"  ({time.perf_counter() - start:.0f} s)")
       except Exception:
         line = f"time {shape} {name} FAILED: {traceback.format_exc()[-1500:]}"
       lines.append(line)
       print(line, flush=True)
   print("\n==== summary ====\n" + "\n".join(lines))
+  print("\n" + _table(shapes, [n for n, _ in entries], results))
   if a.json:
     with open(a.json, "w") as f:
       json.dump({f"{s}/{n}": r for (s, n), r in results.items()}, f, indent=1)

@@ -164,6 +164,49 @@ def bwd_step(ds, do, qg, kt, w, aqk, d, mm_dtype):
   return ds_prev, ddelta
 
 
+def state_step(s, kt, w, u, d, mm_dtype):
+  """Sequential part of one chunk in the split variant: Δ = U − W S; S' = d⊙S + Ktᵀ Δ.
+
+  Same maths (and operand casts) as the Δ and S' of `fwd_step`, without the output. s [K, V]
+  fp32; kt, w [C, K]; u [C, V]; d [K, 1]. Returns (S', Δ) fp32.
+  """
+  delta = u.astype(F32) - mm(w, s, mm_dtype)
+  return d * s + mm_tn(kt, delta, mm_dtype), delta
+
+
+def out_kernel(qg_ref, h_ref, aqk_ref, delta_ref, o_ref, *, mm_dtype):
+  """Chunk-parallel output of the split variant: O = Qg h + A_qk Δ for one chunk, from the
+  entering state h and Δ that the sequential pass stored (in the dots' operand dtype, which is
+  exactly what `fwd_step`'s dots cast S and Δ to, so both variants compute the same O).
+  Refs: qg [C, K]; h [K, V]; aqk [C, C]; delta [C, V]; o [C, V] (fp32 out).
+  """
+  o = mm(qg_ref[...], h_ref[...], mm_dtype) + mm(aqk_ref[...], delta_ref[...], mm_dtype)
+  o_ref[...] = o.astype(o_ref.dtype)
+
+
+def bwd_local_kernel(aqk_ref, qg_ref, do_ref, ddl_ref, *dsl_ref, mm_dtype):
+  """The state-independent terms of the reverse pass for one chunk (split variant):
+  dΔ_local = A_qkᵀ dO [C, V] and, when a dsl ref is given, dS_local = Qgᵀ dO [K, V] (both fp32).
+  Refs: aqk [C, C]; qg [C, K]; do [C, V].
+  """
+  do = do_ref[...].astype(F32)
+  ddl_ref[...] = mm_tn(aqk_ref[...], do, mm_dtype)
+  if dsl_ref:
+    dsl_ref[0][...] = mm_tn(qg_ref[...], do, mm_dtype)
+
+
+def bwd_state_step(ds, ddl, dsl, kt, w, d, mm_dtype):
+  """Sequential part of the reverse pass for one chunk (split variant), given dS' and the
+  precomputed local terms: dΔ = dΔ_local + Kt dS';  dS = dS_local + d⊙dS' − Wᵀ dΔ.
+
+  ds [K, V] fp32; ddl [C, V] = A_qkᵀ dO; dsl [K, V] = Qgᵀ dO; kt, w [C, K]; d [K, 1]. Same sums in
+  the same order as `bwd_step`. Returns (dS, dΔ) fp32.
+  """
+  ddelta = ddl + mm(kt, ds, mm_dtype)
+  ds_prev = dsl + d * ds - mm_tn(w, ddelta, mm_dtype)
+  return ds_prev, ddelta
+
+
 def chunk_bwd_kernel(h_ref, dh_ref, delta_ref, ddelta_ref, do_ref,
                      dqg_ref, dw_ref, dkt_ref, daqk_ref, dd_ref, *, mm_dtype):
   """Per-chunk gradients of the state-pass inputs that need the whole V: given S (entering),

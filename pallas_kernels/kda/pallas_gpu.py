@@ -1,13 +1,27 @@
 """Pallas-Triton (GPU) launchers for the chunked KDA kernels, in the native [B, T, H, ·] layout.
 
 No transposes: BlockSpecs squeeze the B and H axes, so a kernel sees strided [C, K] tiles (intra,
-chunk backward) or a whole [T, K] column of one (batch, head) that it walks chunk by chunk with
-`pl.ds` (state passes, sequential over chunks, parallel over batch × head × V-blocks).
-With interpret=True the same kernels run on CPU (CI).
+chunk backward, split-variant output/local kernels) or a whole [T, K] column of one (batch, head)
+that it walks chunk by chunk with `pl.ds` (state passes, sequential over chunks, parallel over
+batch × head × V-blocks). With interpret=True the same kernels run on CPU (CI).
+
+Two variants of the state passes, same contracts and the same numbers (see kernels.py):
+* fused (SPLIT = False, the default, the one measured on the H200): the sequential forward loop
+  computes Δ, O and S' (4 dots per chunk), the reverse loop dΔ = A_qkᵀ dO + Kt dS' and
+  dS = Qgᵀ dO + d⊙dS' − Wᵀ dΔ (4 dots).
+* split (SPLIT = True): the sequential loops keep only what depends on the carried state. Forward:
+  the loop computes Δ and S' (2 dots) and stores every chunk's entering state h [B,N,H,K,V] and Δ;
+  a chunk-parallel kernel then computes O = Qg h + A_qk Δ. Backward: a chunk-parallel kernel
+  computes dΔ_local = A_qkᵀ dO and (HOIST_QDO) dS_local = Qgᵀ dO first, and the loop does
+  dΔ = dΔ_local + Kt dS', dS = dS_local + d⊙dS' − Wᵀ dΔ (2 dots; 3 without HOIST_QDO, which
+  saves the fp32 [B,N,H,K,V] dS_local buffer).
+Launchers take the variant as keywords (None = the module default); `configured` changes the
+defaults for a block of code (benchmarks, tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -19,16 +33,68 @@ from pallas_kernels.kda import kernels
 F32 = jnp.float32
 SUB = 16
 
+# Module defaults of the state-pass variant (launcher keywords override them per call).
+SPLIT = False        # fused sequential kernels (the measured variant); True: split variant
+BLOCK_V = 32         # V-columns per sequential program (power of two >= 16)
+HOIST_QDO = True     # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V] buffer)
+STATE_WARPS = 4      # num_warps of the sequential kernels
+
 
 def _params(num_warps: int, num_stages: int = 2):
   from jax.experimental.pallas import triton as plgpu
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def block_v(dv: int) -> int:
-  """V-block of the state passes: 32 columns keeps S [K, BV] in registers and gives B·H·V/32
-  independent sequential programs."""
-  return min(dv, 32)
+def _check_bv(bv) -> int:
+  if not isinstance(bv, int) or isinstance(bv, bool) or bv < 16 or bv & (bv - 1):
+    raise ValueError(f"kda pallas_gpu: block_v must be a power of two >= 16, got {bv!r}")
+  return bv
+
+
+def _check_warps(warps) -> int:
+  if warps not in (1, 2, 4, 8, 16):
+    raise ValueError(f"kda pallas_gpu: state_warps must be 1, 2, 4, 8 or 16, got {warps!r}")
+  return warps
+
+
+def block_v(dv: int, bv: int | None = None) -> int:
+  """V-block of the state passes (default BLOCK_V = 32: S [K, 32] stays in registers and there
+  are B·H·V/32 independent sequential programs), capped at V."""
+  return min(dv, _check_bv(BLOCK_V if bv is None else bv))
+
+
+@contextlib.contextmanager
+def configured(*, split: bool | None = None, bv: int | None = None,
+               hoist_qdo: bool | None = None, state_warps: int | None = None):
+  """Temporarily set the module defaults (None leaves one unchanged), e.g. to time variants.
+
+  Jitted callers (op._kda_pallas_core) cache their traces without these settings in the key, so
+  JAX's caches are cleared on entry and on exit: compile and run what should use the variant
+  inside the block.
+  """
+  global SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS
+  if bv is not None:
+    _check_bv(bv)
+  if state_warps is not None:
+    _check_warps(state_warps)
+  saved = SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS
+  jax.clear_caches()
+  try:
+    SPLIT = SPLIT if split is None else bool(split)
+    BLOCK_V = BLOCK_V if bv is None else bv
+    HOIST_QDO = HOIST_QDO if hoist_qdo is None else bool(hoist_qdo)
+    STATE_WARPS = STATE_WARPS if state_warps is None else state_warps
+    yield
+  finally:
+    SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS = saved
+    jax.clear_caches()
+
+
+def _variant(split, bv, dv, warps):
+  """Resolve the per-call keywords against the module defaults."""
+  split = SPLIT if split is None else split
+  warps = _check_warps(STATE_WARPS if warps is None else warps)
+  return split, block_v(dv, bv), warps
 
 
 def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret):
@@ -65,13 +131,51 @@ def _seq_v(t, bv):
   return pl.BlockSpec((None, t, None, bv), lambda ib, ih, iv: (ib, 0, ih, iv))
 
 
-def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret):
-  """Sequential state pass + outputs. Returns (o [B,T,H,V] fp32, S_final [B,H,K,V] fp32) and,
-  when `save`, the per-chunk entering states h [B,N,H,K,V] and Δ [B,T,H,V] (storage dtype)."""
+def _state_spec(dk, bv):
+  """State tile [K, bv] of (batch, head, V-block) for grid (B, H, nV)."""
+  return pl.BlockSpec((None, None, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
+
+
+def _chunks_v(n, dk, bv):
+  """All N chunk states [N, K, bv] of (batch, head, V-block) in a [B, N, H, K, V] array."""
+  return pl.BlockSpec((None, n, None, dk, bv), lambda ib, ih, iv: (ib, 0, ih, 0, iv))
+
+
+def _decay_spec(n, dk):
+  return pl.BlockSpec((None, n, None, dk, 1), lambda ib, ih, iv: (ib, 0, ih, 0, 0))
+
+
+def _tok(chunk, d):
+  """One chunk's [C, d] tile of a [B, T, H, d] array for grid (B, N, H)."""
+  return pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
+
+
+def _chunk_state(dk, dv):
+  """One chunk's [K, V] state of a [B, N, H, K, V] array for grid (B, N, H)."""
+  return pl.BlockSpec((None, None, None, dk, dv), lambda ib, ic, ih: (ib, ic, ih, 0, 0))
+
+
+def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, split=None, bv=None,
+              state_warps=None):
+  """State pass + outputs. Returns (o [B,T,H,V] fp32, S_final [B,H,K,V] fp32) and, when `save`,
+  the per-chunk entering states h [B,N,H,K,V] and Δ [B,T,H,V] (storage dtype).
+  split/bv/state_warps: the variant (None = module defaults SPLIT, BLOCK_V, STATE_WARPS)."""
+  dv = u.shape[-1]
+  split, bv, warps = _variant(split, bv, dv, state_warps)
+  if not split:
+    return _state_fwd_fused(qg, kt, w, u, aqk, d, s0, chunk=chunk, save=save,
+                            interpret=interpret, bv=bv, warps=warps)
+  sf, hs, delta = _state_fwd_seq(kt, w, u, d, s0, chunk=chunk, interpret=interpret, bv=bv,
+                                 warps=warps)
+  o = output(qg, hs, aqk, delta, chunk=chunk, interpret=interpret)
+  return (o, sf, hs, delta) if save else (o, sf)
+
+
+def _state_fwd_fused(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, bv, warps):
+  """Fused variant: one sequential kernel computes Δ, O and S' per chunk."""
   b, t, h, dk = qg.shape
   dv = u.shape[-1]
   n = t // chunk
-  bv = block_v(dv)
   st = qg.dtype
 
   def kernel(qg_ref, kt_ref, w_ref, u_ref, aqk_ref, d_ref, s0_ref, o_ref, sf_ref, *saved):
@@ -88,32 +192,90 @@ def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret):
 
     sf_ref[...] = jax.lax.fori_loop(0, n, body, s0_ref[...].astype(F32))
 
-  state_spec = pl.BlockSpec((None, None, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
-  out_specs = [_seq_v(t, bv), state_spec]
+  out_specs = [_seq_v(t, bv), _state_spec(dk, bv)]
   out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), F32),
                jax.ShapeDtypeStruct((b, h, dk, dv), F32)]
   if save:
-    out_specs += [pl.BlockSpec((None, n, None, dk, bv), lambda ib, ih, iv: (ib, 0, ih, 0, iv)),
-                  _seq_v(t, bv)]
+    out_specs += [_chunks_v(n, dk, bv), _seq_v(t, bv)]
     out_shape += [jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
                   jax.ShapeDtypeStruct((b, t, h, dv), st)]
   return pl.pallas_call(
       kernel, grid=(b, h, dv // bv),
       in_specs=[_seq(t, dk), _seq(t, dk), _seq(t, dk), _seq_v(t, bv), _seq(t, chunk),
-                pl.BlockSpec((None, n, None, dk, 1), lambda ib, ih, iv: (ib, 0, ih, 0, 0)),
-                state_spec],
+                _decay_spec(n, dk), _state_spec(dk, bv)],
       out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-      compiler_params=None if interpret else _params(4, 2),
+      compiler_params=None if interpret else _params(warps, 2),
   )(qg, kt, w, u, aqk, d, s0)
 
 
-def state_bwd(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret):
+def _state_fwd_seq(kt, w, u, d, s0, *, chunk, interpret, bv, warps):
+  """Split variant, sequential part: per chunk store h = S, then Δ = U − W S, S' = d⊙S + Ktᵀ Δ.
+  Returns (S_final [B,H,K,V] fp32, h [B,N,H,K,V], Δ [B,T,H,V]) with h, Δ in kt's dtype."""
+  b, t, h, dk = kt.shape
+  dv = u.shape[-1]
+  n = t // chunk
+  st = kt.dtype
+
+  def kernel(kt_ref, w_ref, u_ref, d_ref, s0_ref, sf_ref, hs_ref, delta_ref):
+    def body(i, s):
+      rows = pl.ds(i * chunk, chunk)
+      hs_ref[i] = s.astype(hs_ref.dtype)
+      s, delta = kernels.state_step(s, kt_ref[rows, :], w_ref[rows, :], u_ref[rows, :],
+                                    d_ref[i], st)
+      delta_ref[rows, :] = delta.astype(delta_ref.dtype)
+      return s
+
+    sf_ref[...] = jax.lax.fori_loop(0, n, body, s0_ref[...].astype(F32))
+
+  return pl.pallas_call(
+      kernel, grid=(b, h, dv // bv),
+      in_specs=[_seq(t, dk), _seq(t, dk), _seq_v(t, bv), _decay_spec(n, dk),
+                _state_spec(dk, bv)],
+      out_specs=[_state_spec(dk, bv), _chunks_v(n, dk, bv), _seq_v(t, bv)],
+      out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
+                 jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
+                 jax.ShapeDtypeStruct((b, t, h, dv), st)],
+      interpret=interpret, compiler_params=None if interpret else _params(warps, 2),
+  )(kt, w, u, d, s0)
+
+
+def output(qg, hs, aqk, delta, *, chunk, interpret):
+  """Split variant, chunk-parallel part of the forward over grid (B, N, H): O = Qg h + A_qk Δ
+  (kernels.out_kernel). qg [B,T,H,K]; hs [B,N,H,K,V]; aqk [B,T,H,C]; delta [B,T,H,V].
+  Returns o [B,T,H,V] fp32."""
+  b, n, h, dk, dv = hs.shape
+  t = n * chunk
+  kernel = functools.partial(kernels.out_kernel, mm_dtype=qg.dtype)
+  return pl.pallas_call(
+      kernel, grid=(b, n, h),
+      in_specs=[_tok(chunk, dk), _chunk_state(dk, dv), _tok(chunk, chunk), _tok(chunk, dv)],
+      out_specs=_tok(chunk, dv),
+      out_shape=jax.ShapeDtypeStruct((b, t, h, dv), F32),
+      interpret=interpret, compiler_params=None if interpret else _params(4, 1),
+  )(qg, hs, aqk, delta)
+
+
+def state_bwd(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, split=None, bv=None,
+              hoist_qdo=None, state_warps=None):
   """Reverse state pass. Returns (dS₀ [B,H,K,V] fp32, dS' per chunk [B,N,H,K,V] (storage
-  dtype; the grad of the state leaving chunk n), dΔ [B,T,H,V] fp32)."""
+  dtype; the grad of the state leaving chunk n), dΔ [B,T,H,V] fp32).
+  split/bv/hoist_qdo/state_warps: the variant (None = module defaults)."""
+  dv = do.shape[-1]
+  split, bv, warps = _variant(split, bv, dv, state_warps)
+  hoist = HOIST_QDO if hoist_qdo is None else hoist_qdo
+  if not split:
+    return _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, chunk=chunk, interpret=interpret, bv=bv,
+                            warps=warps)
+  local = bwd_local(aqk, qg, do, chunk=chunk, hoist_qdo=hoist, interpret=interpret)
+  return _state_bwd_seq(local, do, dsf, qg, kt, w, d, chunk=chunk, interpret=interpret, bv=bv,
+                        warps=warps)
+
+
+def _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, bv, warps):
+  """Fused variant: one reverse sequential kernel computes dΔ and dS per chunk."""
   b, t, h, dk = qg.shape
   dv = do.shape[-1]
   n = t // chunk
-  bv = block_v(dv)
   st = qg.dtype
 
   def kernel(do_ref, dsf_ref, qg_ref, kt_ref, w_ref, aqk_ref, d_ref, ds0_ref, dh_ref, ddelta_ref):
@@ -128,20 +290,77 @@ def state_bwd(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret):
 
     ds0_ref[...] = jax.lax.fori_loop(0, n, body, dsf_ref[...].astype(F32))
 
-  state_spec = pl.BlockSpec((None, None, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
   return pl.pallas_call(
       kernel, grid=(b, h, dv // bv),
-      in_specs=[_seq_v(t, bv), state_spec, _seq(t, dk), _seq(t, dk), _seq(t, dk),
-                _seq(t, chunk),
-                pl.BlockSpec((None, n, None, dk, 1), lambda ib, ih, iv: (ib, 0, ih, 0, 0))],
-      out_specs=[state_spec,
-                 pl.BlockSpec((None, n, None, dk, bv), lambda ib, ih, iv: (ib, 0, ih, 0, iv)),
-                 _seq_v(t, bv)],
+      in_specs=[_seq_v(t, bv), _state_spec(dk, bv), _seq(t, dk), _seq(t, dk), _seq(t, dk),
+                _seq(t, chunk), _decay_spec(n, dk)],
+      out_specs=[_state_spec(dk, bv), _chunks_v(n, dk, bv), _seq_v(t, bv)],
       out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
                  jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
                  jax.ShapeDtypeStruct((b, t, h, dv), F32)],
-      interpret=interpret, compiler_params=None if interpret else _params(4, 2),
+      interpret=interpret, compiler_params=None if interpret else _params(warps, 2),
   )(do, dsf, qg, kt, w, aqk, d)
+
+
+def bwd_local(aqk, qg, do, *, chunk, hoist_qdo, interpret):
+  """Split variant, chunk-parallel part of the backward over grid (B, N, H)
+  (kernels.bwd_local_kernel). Returns dΔ_local = A_qkᵀ dO [B,T,H,V] fp32 and, if `hoist_qdo`,
+  dS_local = Qgᵀ dO [B,N,H,K,V] fp32 (a 1-tuple otherwise)."""
+  b, t, h, dk = qg.shape
+  dv = do.shape[-1]
+  n = t // chunk
+  out_specs = [_tok(chunk, dv)]
+  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), F32)]
+  if hoist_qdo:
+    out_specs.append(_chunk_state(dk, dv))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, h, dk, dv), F32))
+  kernel = functools.partial(kernels.bwd_local_kernel, mm_dtype=qg.dtype)
+  return tuple(pl.pallas_call(
+      kernel, grid=(b, n, h),
+      in_specs=[_tok(chunk, chunk), _tok(chunk, dk), _tok(chunk, dv)],
+      out_specs=out_specs, out_shape=out_shape,
+      interpret=interpret, compiler_params=None if interpret else _params(4, 1),
+  )(aqk, qg, do))
+
+
+def _state_bwd_seq(local, do, dsf, qg, kt, w, d, *, chunk, interpret, bv, warps):
+  """Split variant, sequential part of the backward: dΔ = dΔ_local + Kt dS',
+  dS = dS_local + d⊙dS' − Wᵀ dΔ, with dS_local read from `local` (hoisted) or computed in the
+  loop as Qgᵀ dO. Same outputs as `_state_bwd_fused`."""
+  b, t, h, dk = qg.shape
+  dv = do.shape[-1]
+  n = t // chunk
+  st = qg.dtype
+  hoisted = len(local) == 2
+
+  def kernel(ddl_ref, dsl_or_do_ref, dsf_ref, qg_ref, kt_ref, w_ref, d_ref,
+             ds0_ref, dh_ref, ddelta_ref):
+    def body(j, ds):
+      i = n - 1 - j
+      rows = pl.ds(i * chunk, chunk)
+      dh_ref[i] = ds.astype(dh_ref.dtype)
+      if hoisted:
+        dsl = dsl_or_do_ref[i]
+      else:
+        dsl = kernels.mm_tn(qg_ref[rows, :], dsl_or_do_ref[rows, :].astype(F32), st)
+      ds, ddelta = kernels.bwd_state_step(ds, ddl_ref[rows, :], dsl, kt_ref[rows, :],
+                                          w_ref[rows, :], d_ref[i], st)
+      ddelta_ref[rows, :] = ddelta
+      return ds
+
+    ds0_ref[...] = jax.lax.fori_loop(0, n, body, dsf_ref[...].astype(F32))
+
+  second = (local[1], _chunks_v(n, dk, bv)) if hoisted else (do, _seq_v(t, bv))
+  return pl.pallas_call(
+      kernel, grid=(b, h, dv // bv),
+      in_specs=[_seq_v(t, bv), second[1], _state_spec(dk, bv), _seq(t, dk), _seq(t, dk),
+                _seq(t, dk), _decay_spec(n, dk)],
+      out_specs=[_state_spec(dk, bv), _chunks_v(n, dk, bv), _seq_v(t, bv)],
+      out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
+                 jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
+                 jax.ShapeDtypeStruct((b, t, h, dv), F32)],
+      interpret=interpret, compiler_params=None if interpret else _params(warps, 2),
+  )(local[0], second[0], dsf, qg, kt, w, d)
 
 
 def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):

@@ -4,20 +4,33 @@ recurrence, in interpret mode on CPU (the kernels' own bodies run; only the lowe
 Every case checks outputs, final state and the gradients wrt q, k, v, g, beta, initial_state (the
 chunked custom_vjp backward) at K = V = 128. Few, packed cases keep the interpret-mode cost low:
 one multi-row fp32 case carries most scenarios (see `packed_case`), plus T = 1 and bf16.
+pallas_gpu runs in both state-pass variants (fused, the default, and split; see pallas_gpu.py);
+the split one also with V-blocks of 64 and Qgᵀ dO kept in the loop. Results are computed once per
+variant and shared by the reference and the fused-vs-split comparisons.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import kda
+from pallas_kernels.kda import kda, pallas_gpu
 from pallas_kernels.kda import intra as intra_lib
 from tests.pallas_kernels.test_kda import make_inputs, max_err
 
-PALLAS = ("pallas_gpu", "pallas_tpu")
+PALLAS = ("pallas_gpu", "pallas_gpu_split", "pallas_tpu")
+# variant name -> (kda backend, pallas_gpu.configured overrides or None for the module defaults)
+VARIANTS = {
+    "pallas_gpu": ("pallas_gpu", None),
+    "pallas_gpu_split": ("pallas_gpu", dict(split=True)),
+    "pallas_gpu_split_bv64_nohoist": ("pallas_gpu", dict(split=True, bv=64, hoist_qdo=False)),
+    "pallas_tpu": ("pallas_tpu", None),
+    "reference": ("reference", None),
+}
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
@@ -39,8 +52,17 @@ def packed_case(dtype):
   return inputs, seg
 
 
-def outputs_and_grads(inputs, seg, backend):
-  """(o, S_final, grads) of a loss that weights o and S by fixed random tensors."""
+def outputs_and_grads(inputs, seg, variant):
+  """(o, S_final, grads) of a loss that weights o and S by fixed random tensors, with one of
+  VARIANTS (a kda backend, pallas_gpu's state-pass variant set for the whole call)."""
+  backend, overrides = VARIANTS[variant]
+  if overrides is None:
+    return _outputs_and_grads(inputs, seg, backend)
+  with pallas_gpu.configured(**overrides):
+    return _outputs_and_grads(inputs, seg, backend)
+
+
+def _outputs_and_grads(inputs, seg, backend):
   rng = np.random.default_rng(1)
   w_o = jnp.asarray(rng.standard_normal(inputs[2].shape), jnp.float32)
   w_s = jnp.asarray(rng.standard_normal(inputs[5].shape), jnp.float32)
@@ -55,17 +77,17 @@ def outputs_and_grads(inputs, seg, backend):
   return o, s, grads
 
 
-@pytest.fixture(scope="module")
-def packed_reference():
-  inputs, seg = packed_case(jnp.float32)
-  return outputs_and_grads(inputs, seg, "reference")
+@functools.lru_cache(maxsize=None)
+def packed_results(variant, dtype_name):
+  """outputs_and_grads on packed_case, once per (variant, dtype) for the whole module."""
+  inputs, seg = packed_case(jnp.dtype(dtype_name))
+  return outputs_and_grads(inputs, seg, variant)
 
 
-@pytest.mark.parametrize("backend", PALLAS)
-def test_packed_fp32_matches_reference(backend, packed_reference):
-  o_ref, s_ref, g_ref = packed_reference
-  inputs, seg = packed_case(jnp.float32)
-  o, s, grads = outputs_and_grads(inputs, seg, backend)
+@pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist",))
+def test_packed_fp32_matches_reference(backend):
+  o_ref, s_ref, g_ref = packed_results("reference", "float32")
+  o, s, grads = packed_results(backend, "float32")
   assert o.dtype == jnp.float32 and s.dtype == jnp.float32
   assert max_err(o, o_ref) <= 1e-4
   assert max_err(s, s_ref) <= 1e-4
@@ -95,13 +117,55 @@ def test_packed_bf16_within_tolerance(backend):
   # fp32 recurrence on the same bf16-rounded values. Stated tolerance: max abs error ≤ 2e-2 × the
   # reference's max magnitude for o, S and every gradient (the H200 run measured ≤ 3e-3 ×).
   inputs, seg = packed_case(jnp.bfloat16)
-  o, s, grads = outputs_and_grads(inputs, seg, backend)
+  o, s, grads = packed_results(backend, "bfloat16")
   assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
   ref_inputs = tuple(x.astype(jnp.float32) for x in inputs)
   o_ref, s_ref, g_ref = outputs_and_grads(ref_inputs, seg, "reference")
   for name, x, ref in zip(("o", "S") + GRAD_NAMES, (o, s) + tuple(grads), (o_ref, s_ref) + g_ref):
     assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))), name
     assert max_err(x, ref) <= 2e-2 * max_err(ref, 0.0), name
+
+
+@pytest.mark.parametrize("split", ["pallas_gpu_split", "pallas_gpu_split_bv64_nohoist"])
+def test_split_equals_fused_fp32(split):
+  # The split state passes do the same sums in the same order as the fused ones (only the XLA:CPU
+  # dot blocking may differ with the V-block), so fp32 results agree to rounding: ≤ 2e-6 × the
+  # fused result's max magnitude (measured on CPU: ≤ 4e-7 ×, gradients of the default split
+  # variant bit-identical), far below the 1e-4 reference tolerance.
+  fused = packed_results("pallas_gpu", "float32")
+  got = packed_results(split, "float32")
+  names = ("o", "S") + GRAD_NAMES
+  for name, x, ref in zip(names, got[:2] + tuple(got[2]), fused[:2] + tuple(fused[2])):
+    assert max_err(x, ref) <= 2e-6 * max(max_err(ref, 0.0), 1e-3), name
+
+
+def _pallas_calls(fn, *args):
+  return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+
+def test_variant_switch_reaches_the_kernels():
+  # The variant is read at trace time: the fused forward has 2 kernels (intra, state), the split
+  # one 3 (+ output); fwd+bwd 5 vs 7 (+ output, + local backward). `configured` clears JAX's
+  # caches, so switching back and forth inside one process retraces every time.
+  q, k, v, g, beta, _ = make_inputs(24, b=1, t=64, h=1, dk=16, dv=16, dtype=jnp.float32)
+  fwd = lambda *a: kda(*a, backend="pallas_gpu")[0]
+  grad = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=range(5))
+  counts = lambda: (_pallas_calls(fwd, q, k, v, g, beta), _pallas_calls(grad, q, k, v, g, beta))
+  assert counts() == (2, 5)
+  with pallas_gpu.configured(split=True, bv=16):
+    assert counts() == (3, 7)
+    assert pallas_gpu.SPLIT and pallas_gpu.BLOCK_V == 16
+  assert counts() == (2, 5)
+  assert not pallas_gpu.SPLIT and pallas_gpu.BLOCK_V == 32
+
+
+@pytest.mark.parametrize("kw, match", [(dict(bv=48), "block_v must be a power of two"),
+                                       (dict(state_warps=3), "state_warps must be")])
+def test_variant_bad_settings_raise(kw, match):
+  with pytest.raises(ValueError, match=match):
+    with pallas_gpu.configured(**kw):
+      pass
+  assert pallas_gpu.BLOCK_V == 32 and pallas_gpu.STATE_WARPS == 4
 
 
 def test_intra_kernel_matches_jnp_definition():
