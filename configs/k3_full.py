@@ -87,6 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
   t = c.train = ml_collections.ConfigDict()
   t.seed = 0
   t.global_batch_size = 2048
+  t.microbatches = 1               # gradient accumulation: the batch runs as N micro-batches
   t.steps = 1_000_000
   t.log_every = 10
   t.peak_flops_per_device = 989e12  # dense bf16 peak of one H100/H200, for MFU

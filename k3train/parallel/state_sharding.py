@@ -69,8 +69,8 @@ def mirror_shardings(tree: Any, params: nnx.State, param_shardings: nnx.State, m
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def batch_sharding(mesh: Mesh, rules: Rules, batch_size: int, seq_len: int) -> NamedSharding:
+def batch_sharding(mesh: Mesh, rules: Rules, batch_size: int, seq_len: int,
+                   what: str = "batch [train.global_batch_size, data.seq_len]") -> NamedSharding:
   """Sharding of every [B, T] batch array: batch over the data axes, sequence over `sequence`."""
-  spec = spec_for((ax.BATCH, ax.SEQ), (batch_size, seq_len), rules, mesh,
-                  what="batch [train.global_batch_size, data.seq_len]")
+  spec = spec_for((ax.BATCH, ax.SEQ), (batch_size, seq_len), rules, mesh, what=what)
   return NamedSharding(mesh, spec)

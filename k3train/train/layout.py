@@ -53,7 +53,13 @@ def make_layout(cfg: ml_collections.ConfigDict, devices=None) -> Layout:
   sizes = mesh_lib.sizes_from_config(cfg.parallel)
   mesh = mesh_lib.make_mesh(sizes, devices)
   rules = rules_lib.get_rules(cfg.parallel.rules)
-  batch = state_sharding.batch_sharding(mesh, rules, cfg.train.global_batch_size, cfg.data.seq_len)
+  t = cfg.train
+  batch = state_sharding.batch_sharding(mesh, rules, t.global_batch_size, cfg.data.seq_len)
+  if t.microbatches > 1:   # each micro-batch must still spread over the data axes
+    state_sharding.batch_sharding(mesh, rules, t.global_batch_size // t.microbatches,
+                                  cfg.data.seq_len,
+                                  what="micro-batch [train.global_batch_size / train.microbatches, "
+                                       "data.seq_len]")
   return Layout(mesh, rules, batch)
 
 
@@ -94,7 +100,8 @@ def jit_train_step(graphdef, optimizer, cfg: ml_collections.ConfigDict, layout: 
   step = make_train_step(graphdef, optimizer, loss_spike_factor=o.loss_spike_factor,
                          loss_spike_ema=o.loss_spike_ema,
                          qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
-                         mla_nope_dim=cfg.model.mla.qk_nope_head_dim)
+                         mla_nope_dim=cfg.model.mla.qk_nope_head_dim,
+                         microbatches=cfg.train.microbatches)
 
   def sharded_step(state, batch):
     with rules_lib.activate(layout.mesh, layout.rules, expert_exchange=cfg.parallel.expert_exchange):

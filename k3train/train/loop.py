@@ -152,6 +152,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
   layout = layout_lib.make_layout(cfg)
   _log(f"mesh: {mesh_lib.describe(dict(layout.mesh.shape))} over {jax.device_count()} devices "
        f"({process_count} processes); rules: {cfg.parallel.rules}")
+  if t.microbatches > 1:
+    _log(f"batch: {t.global_batch_size} × {cfg.data.seq_len} tokens per step in {t.microbatches} "
+         f"micro-batches of {t.global_batch_size // t.microbatches} rows (gradient accumulation)")
   model = layout_lib.build_sharded_model(cfg, layout)
   params_like = nnx.state(model, nnx.Param)
   optimizer = make_optimizer(cfg, params_like)

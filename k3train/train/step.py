@@ -3,6 +3,15 @@
 The model is split once into (graphdef, params, rest): `params` are the nnx.Param leaves the
 optimizer trains; `rest` holds non-gradient state (router biases, QB proposals, expert loads,
 MLA max logits) that the forward pass writes and the step carries.
+
+Gradient accumulation (`train.microbatches` = N > 1): the global batch runs as N sequential
+micro-batches (rows i, i+N, i+2N, … form micro-batch i, so every device keeps an equal share of
+each) under one `lax.scan`, with one optimizer update per step. Each micro-batch's mean loss is
+weighted by its share of the step's loss tokens, so the loss and the gradients equal the
+one-batch step's (up to summation order). Forward-written state is combined over the
+micro-batches: expert loads summed, MLA max logits maxed, QB proposals averaged (the one
+approximation: the mean of per-micro-batch quantile proposals, not the quantile over the whole
+batch), anything else taken from the last micro-batch.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from k3train.model import axes as ax
 from k3train.model import moe
 from k3train.model.mla import MaxLogit
 from k3train.optim.qk_clip import qk_clip
@@ -64,6 +74,57 @@ def forward_loss(graphdef, params, rest, batch):
   return loss, (new_rest, n_tokens)
 
 
+def _micro_batches(batch: dict, microbatches: int) -> dict:
+  """[B, T] arrays → [N, B/N, T]; micro-batch i holds rows i, i + N, i + 2N, …"""
+  def split(x):
+    b = x.shape[0]
+    return jnp.swapaxes(x.reshape(b // microbatches, microbatches, *x.shape[1:]), 0, 1)
+  return {k: split(v) for k, v in batch.items()}
+
+
+def _combine_rest(rest_stacked):
+  """Reduce forward-written state stacked over micro-batches (leading axis N), by variable kind."""
+  def reduce(v):
+    if isinstance(v, moe.ExpertLoad):
+      return v.replace(jnp.sum(v[...], axis=0))
+    if isinstance(v, MaxLogit):
+      return v.replace(jnp.max(v[...], axis=0))
+    if isinstance(v, moe.QBPending):
+      return v.replace(jnp.mean(v[...], axis=0))
+    return v.replace(v[...][-1])
+  return jax.tree.map(reduce, rest_stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1):
+  """(loss, (new rest, loss tokens), grads) for one step's batch, accumulated over micro-batches.
+
+  microbatches == 1 is the plain value_and_grad of `forward_loss`. Otherwise the batch size must
+  divide by it; gradients accumulate in the parameters' dtype inside a scan (one micro-batch's
+  activations live at a time).
+  """
+  grad_fn = jax.value_and_grad(forward_loss, argnums=1, has_aux=True)
+  if microbatches == 1:
+    return grad_fn(graphdef, params, rest, batch)
+  size = batch["tokens"].shape[0]
+  if size % microbatches:
+    raise ValueError(f"batch of {size} rows does not split into train.microbatches={microbatches}")
+  micro = _micro_batches(batch, microbatches)
+  tokens_n = jnp.sum(micro["loss_mask"].astype(jnp.float32), axis=(1, 2))     # [N]
+  weight_n = tokens_n / jnp.maximum(jnp.sum(tokens_n), 1.0)
+
+  def body(acc, xs):
+    mb, weight = xs
+    mb = {k: ax.constrain(v, ax.BATCH, ax.SEQ) for k, v in mb.items()}
+    (loss, (new_rest, _)), grads = grad_fn(graphdef, params, rest, mb)
+    grads_acc, loss_acc = acc
+    grads_acc = jax.tree.map(lambda a, g: a + weight.astype(g.dtype) * g, grads_acc, grads)
+    return (grads_acc, loss_acc + weight * loss), new_rest
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (grads, loss), rest_n = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), (micro, weight_n))
+  return (loss, (_combine_rest(rest_n), jnp.sum(tokens_n))), grads
+
+
 def spike_guard(loss, loss_ema, *, factor: float, decay: float):
   """(skip, new_ema): skip when loss > factor × running mean (never on the first step, never when
   factor is 0); the mean only absorbs losses of updates that were applied."""
@@ -75,16 +136,19 @@ def spike_guard(loss, loss_ema, *, factor: float, decay: float):
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_spike_factor: float = 0.0,
                     loss_spike_ema: float = 0.99, qk_clip_tau: float | None = None,
-                    mla_nope_dim: int | None = None):
+                    mla_nope_dim: int | None = None, microbatches: int = 1):
   """train_step(state, batch) -> (state, metrics); jit it with explicit shardings at the call site.
+
+  With microbatches > 1 the gradients are accumulated over that many micro-batches of the batch
+  (see `loss_and_grads`) before the one optimizer update.
 
   After the optimizer update: QK-Clip on MLA heads whose max logit of this batch exceeded
   `qk_clip_tau` (None: off), the Quantile-Balancing router-bias update, and the loss-spike guard.
   """
 
   def train_step(state: TrainState, batch: dict):
-    grad_fn = jax.value_and_grad(forward_loss, argnums=1, has_aux=True)
-    (loss, (rest, n_tokens)), grads = grad_fn(graphdef, state.params, state.rest, batch)
+    (loss, (rest, n_tokens)), grads = loss_and_grads(graphdef, state.params, state.rest, batch,
+                                                     microbatches)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     clip_stats = {}

@@ -1,0 +1,100 @@
+"""Gradient accumulation: N micro-batches give the one-batch loss and gradients.
+
+k3_tiny cut to 2 layers (KDA + dense FFN, then MLA + MoE: every kind of forward-written state),
+batch 4 × 64 with uneven loss tokens per row, so the token weighting matters.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from configs import k3_tiny
+from k3train import config as config_lib
+from k3train.model import moe
+from k3train.model.decoder import build_model
+from k3train.model.mla import MaxLogit
+from k3train.parallel import rules as rules_lib
+from k3train.parallel import state_sharding
+from k3train.parallel.mesh import MESH_AXES
+from k3train.train.step import forward_loss, loss_and_grads
+
+B, T = 4, 64
+
+
+def small_config():
+  cfg = k3_tiny.get_config()
+  cfg.model.num_layers = 2
+  cfg.model.mla_layers = (2,)
+  cfg.train.global_batch_size = B
+  cfg.data.seq_len = T
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = small_config()
+  model = build_model(cfg.model, seed=0)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  rng = np.random.default_rng(0)
+  loss_mask = np.ones((B, T), np.float32)
+  loss_mask[1, 20:] = 0.0                   # rows carry 64, 20, 64 and 5 loss tokens
+  loss_mask[3, 5:] = 0.0
+  segment_ids = np.ones((B, T), np.int32)
+  segment_ids[2, 40:] = 2                   # a second document in row 2
+  batch = {"tokens": jnp.asarray(rng.integers(8, cfg.model.vocab_size, (B, T)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(8, cfg.model.vocab_size, (B, T)), jnp.int32),
+           "segment_ids": jnp.asarray(segment_ids), "loss_mask": jnp.asarray(loss_mask)}
+  run = jax.jit(loss_and_grads, static_argnums=(0, 4))
+  return graphdef, params, rest, batch, run
+
+
+def _by_kind(rest, kind):
+  return jax.tree.leaves(rest.filter(kind))
+
+
+@pytest.mark.parametrize("microbatches", [2])
+def test_loss_and_gradients_equal_the_one_batch_step(setup, microbatches):
+  graphdef, params, rest, batch, run = setup
+  (loss1, (rest1, n1)), g1 = run(graphdef, params, rest, batch, 1)
+  (loss_n, (rest_n, n_n)), g_n = run(graphdef, params, rest, batch, microbatches)
+  assert float(n_n) == float(n1) == 64 + 20 + 64 + 5
+  np.testing.assert_allclose(float(loss_n), float(loss1), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g_n)):
+    scale = max(float(jnp.max(jnp.abs(a))), 1e-12)
+    assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * scale
+  # Expert loads are counts: the micro-batch sum is the whole batch's count, exactly.
+  for a, b in zip(_by_kind(rest1, moe.ExpertLoad), _by_kind(rest_n, moe.ExpertLoad)):
+    np.testing.assert_array_equal(a, b)
+  # Max logits: the max over micro-batches is the whole batch's max (rows are independent).
+  for a, b in zip(_by_kind(rest1, MaxLogit), _by_kind(rest_n, MaxLogit)):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+  # Router biases are not written by the forward pass: unchanged.
+  for a, b in zip(_by_kind(rest, moe.RouterBias), _by_kind(rest_n, moe.RouterBias)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_qb_proposal_is_the_mean_of_the_micro_batch_proposals(setup):
+  graphdef, params, rest, batch, run = setup
+  (_, (rest_2, _)), _ = run(graphdef, params, rest, batch, 2)
+  fwd = jax.jit(forward_loss, static_argnums=0)
+  proposals = []
+  for i in range(2):                       # micro-batch i = rows i, i + 2
+    micro = {k: v[i::2] for k, v in batch.items()}
+    _, (rest_i, _) = fwd(graphdef, params, rest, micro)
+    proposals.append(_by_kind(rest_i, moe.QBPending))
+  for got, a, b in zip(_by_kind(rest_2, moe.QBPending), *proposals):
+    np.testing.assert_allclose(got, (np.asarray(a) + np.asarray(b)) / 2, rtol=1e-6, atol=1e-7)
+
+
+def test_microbatches_must_divide_the_batch_and_the_mesh():
+  cfg = small_config()
+  cfg.train.microbatches = 3
+  with pytest.raises(ValueError, match="train.microbatches.*divide train.global_batch_size=4"):
+    config_lib.validate(cfg)
+  # A 1-row micro-batch cannot spread over data=2 (the check make_layout runs for microbatches > 1).
+  mesh = AbstractMesh((2, 1, 1, 1, 1), MESH_AXES)
+  with pytest.raises(ValueError, match="micro-batch"):
+    state_sharding.batch_sharding(mesh, rules_lib.get_rules("default"), 1, T, what="micro-batch")
