@@ -472,6 +472,7 @@ class Plan:
   lines: list            # (label, bytes, note)
   phases: dict           # phase → peak bytes
   detail: dict           # per-piece terms
+  microbatches: int = 1  # gradient accumulation: the batch line is per micro-batch
 
   @property
   def peak(self) -> int:
@@ -489,8 +490,12 @@ class Plan:
 def make_plan(cfg, state: AbstractState, sizes: Mapping[str, int], *, rules_name: str,
               seq_len: int, batch_per_device: int, remat: str, attention: str = "flash",
               device_memory_gib: float, margin: float = 0.10,
-              expert_capacity: float | None = None, layouts=None) -> Plan:
-  """The plan for resolved mesh `sizes`; raises MeshError when the mesh does not divide."""
+              expert_capacity: float | None = None, layouts=None, microbatches: int = 1) -> Plan:
+  """The plan for resolved mesh `sizes`; raises MeshError when the mesh does not divide.
+
+  batch_per_device is per micro-batch; with microbatches > 1 the fp32 gradient accumulator (one
+  more gradient-sized buffer) is live in the backward phase next to the micro-batch's gradient.
+  """
   import numpy as np
   from k3train import config as config_lib
   from k3train.parallel import rules as rules_lib
@@ -500,6 +505,8 @@ def make_plan(cfg, state: AbstractState, sizes: Mapping[str, int], *, rules_name
     raise ValueError(f"--attention must be flash or naive, got {attention!r}")
   if batch_per_device < 1:
     raise ValueError(f"--batch-per-device must be >= 1, got {batch_per_device}")
+  if microbatches < 1:
+    raise ValueError(f"--microbatches must be >= 1, got {microbatches}")
   rules = rules_lib.get_rules(rules_name)
   mesh = abstract_mesh(sizes)
   sb = state_bytes(state, rules, mesh) if layouts is None else state_bytes_fast(layouts, sizes)
@@ -549,11 +556,12 @@ def make_plan(cfg, state: AbstractState, sizes: Mapping[str, int], *, rules_name
   gathered_fwd = 2 * unit_params * A
   gathered_bwd = gathered_fwd + unit_params * P
   grads = sb.params
+  accumulator = grads if microbatches > 1 else 0
   opt_transient = 3 * sb.largest_opt_leaf
   static = sb.params + sb.rest + sb.opt
   phases = {
-      "forward": static + gathered_fwd + saved + max(fwd_layer + transient, qb),
-      "backward": static + grads + gathered_bwd + saved + working,
+      "forward": static + accumulator + gathered_fwd + saved + max(fwd_layer + transient, qb),
+      "backward": static + accumulator + grads + gathered_bwd + saved + working,
       "optimizer": static + grads + opt_transient,
   }
   dtype_note = f"{cfg.model.param_dtype}"
@@ -564,6 +572,9 @@ def make_plan(cfg, state: AbstractState, sizes: Mapping[str, int], *, rules_name
       ("optimizer state", sb.opt, f"{cfg.optim.optimizer}: mirrors the parameter shardings"
        + (f"; {len(sb.replicated_opt)} leaves replicated ({repl / GiB:.2f} GiB)" if repl else "")),
       ("gradients", grads, f"{dtype_note}, sharded like the parameters"),
+      ("gradient accumulator", accumulator,
+       f"{microbatches} micro-batches: running sum, like the gradients" if microbatches > 1
+       else "none (train.microbatches = 1)"),
       ("gathered weights", gathered_bwd, f"largest layer ({unit_name}) in {cfg.model.dtype} ×2 "
        f"+ its {dtype_note} gradient"),
       ("saved activations", saved, f"remat={remat}: {saved_note}"),
@@ -580,18 +591,20 @@ def make_plan(cfg, state: AbstractState, sizes: Mapping[str, int], *, rules_name
   detail = {"super-block": period.terms, "unscanned": unscanned_cost.terms, "head": head.terms,
             "carry": carry}
   return Plan(dict(sizes), rules_name, remat, attention, dims, int(device_memory_gib * GiB),
-              margin, sb, lines, phases, detail)
+              margin, sb, lines, phases, detail, microbatches)
 
 
 def format_plan(plan: Plan, config_name: str = "", verbose: bool = False) -> str:
   from k3train.parallel.mesh import describe
   d = plan.dims
-  tokens = d.global_batch * d.T
+  mb = plan.microbatches
+  tokens = d.global_batch * d.T * mb
+  micro = f" × {mb} micro-batches" if mb > 1 else ""
   out = [f"plan {config_name}: {math.prod(plan.sizes.values())} devices, mesh {describe(plan.sizes)}, "
          f"rules={plan.rules}, remat={plan.remat}, attention={plan.attention}",
-         f"  batch: {d.b} × {d.T:,}-token sequence(s) per batch shard × {d.batch_shards} shards = "
-         f"global batch {d.global_batch} ({tokens / 1e6:.2f} M tokens/step); {d.n:,} tokens "
-         f"per device ({d.seq_shards} sequence shards)"]
+         f"  batch: {d.b} × {d.T:,}-token sequence(s) per batch shard × {d.batch_shards} shards"
+         f"{micro} = global batch {d.global_batch * mb} ({tokens / 1e6:.2f} M tokens/step); "
+         f"{d.n:,} tokens per device ({d.seq_shards} sequence shards)"]
   for label, b, note in plan.lines:
     out.append(f"  {label:<26}{b / GiB:9.2f} GiB  {note}")
   for phase, b in plan.phases.items():
@@ -614,7 +627,8 @@ def format_plan(plan: Plan, config_name: str = "", verbose: bool = False) -> str
 
 def plan_json(plan: Plan) -> dict:
   return {"mesh": plan.sizes, "rules": plan.rules, "remat": plan.remat, "attention": plan.attention,
-          "batch_per_device": plan.dims.b, "global_batch": plan.dims.global_batch,
+          "batch_per_device": plan.dims.b, "microbatches": plan.microbatches,
+          "global_batch": plan.dims.global_batch * plan.microbatches,
           "seq_len": plan.dims.T, "tokens_per_device": plan.dims.n,
           "bytes": {label.strip(): b for label, b, _ in plan.lines},
           "phases": plan.phases, "peak": plan.peak, "budget": plan.budget, "fits": plan.fits}
@@ -699,7 +713,10 @@ def main(argv=None) -> int:
   parser.add_argument("--rules", default=None, help="rule recipe (default: parallel.rules)")
   parser.add_argument("--seq-len", type=int, default=None, help="default: data.seq_len")
   parser.add_argument("--batch-per-device", type=int, default=1,
-                      help="sequences per batch shard (global batch = this × data·fsdp·expert)")
+                      help="sequences per batch shard and micro-batch "
+                           "(global batch = this × data·fsdp·expert × microbatches)")
+  parser.add_argument("--microbatches", type=int, default=1,
+                      help="gradient accumulation steps (train.microbatches); adds the accumulator")
   parser.add_argument("--remat", default=None, help="none | full | dots_saveable (default: model.remat_policy)")
   parser.add_argument("--attention", default="flash", choices=("flash", "naive"),
                       help="MLA attention memory model (naive = today's [B,H,T,S] logits)")
@@ -737,7 +754,8 @@ def main(argv=None) -> int:
       return 0
     requested = parse_mesh(args.mesh) if args.mesh else mesh_lib.sizes_from_config(cfg.parallel)
     sizes = mesh_lib.resolve_axis_sizes(requested, args.devices)
-    plan = make_plan(cfg, state, sizes, batch_per_device=args.batch_per_device, **common)
+    plan = make_plan(cfg, state, sizes, batch_per_device=args.batch_per_device,
+                     microbatches=args.microbatches, **common)
   except (mesh_lib.MeshError, config_lib.ConfigError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
