@@ -271,6 +271,15 @@ def state_bwd(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, split=None, bv=No
                         warps=warps)
 
 
+def _state_bwd_outputs(b, t, h, n, dk, dv, bv, st) -> dict:
+  """out_specs / out_shape of both reverse state passes: dS₀ [B,H,K,V] fp32, dS' per chunk
+  [B,N,H,K,V] (storage dtype), dΔ [B,T,H,V] fp32."""
+  return dict(out_specs=[_state_spec(dk, bv), _chunks_v(n, dk, bv), _seq_v(t, bv)],
+              out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
+                         jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
+                         jax.ShapeDtypeStruct((b, t, h, dv), F32)])
+
+
 def _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, bv, warps):
   """Fused variant: one reverse sequential kernel computes dΔ and dS per chunk."""
   b, t, h, dk = qg.shape
@@ -294,10 +303,7 @@ def _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, bv, warps)
       kernel, grid=(b, h, dv // bv),
       in_specs=[_seq_v(t, bv), _state_spec(dk, bv), _seq(t, dk), _seq(t, dk), _seq(t, dk),
                 _seq(t, chunk), _decay_spec(n, dk)],
-      out_specs=[_state_spec(dk, bv), _chunks_v(n, dk, bv), _seq_v(t, bv)],
-      out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
-                 jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
-                 jax.ShapeDtypeStruct((b, t, h, dv), F32)],
+      **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
       interpret=interpret, compiler_params=None if interpret else _params(warps, 2),
   )(do, dsf, qg, kt, w, aqk, d)
 
@@ -355,10 +361,7 @@ def _state_bwd_seq(local, do, dsf, qg, kt, w, d, *, chunk, interpret, bv, warps)
       kernel, grid=(b, h, dv // bv),
       in_specs=[_seq_v(t, bv), second[1], _state_spec(dk, bv), _seq(t, dk), _seq(t, dk),
                 _seq(t, dk), _decay_spec(n, dk)],
-      out_specs=[_state_spec(dk, bv), _chunks_v(n, dk, bv), _seq_v(t, bv)],
-      out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
-                 jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
-                 jax.ShapeDtypeStruct((b, t, h, dv), F32)],
+      **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
       interpret=interpret, compiler_params=None if interpret else _params(warps, 2),
   )(local[0], second[0], dsf, qg, kt, w, d)
 
