@@ -4,6 +4,7 @@ sequence parallelism (issue 3, item 7). One mesh per process; prints one JSON li
   python benchmarks/parallel_scaling.py --mesh=""                                  # 1 GPU
   python benchmarks/parallel_scaling.py --mesh=expert=2 --batch=4                   # 2 GPUs, EP
   python benchmarks/parallel_scaling.py --mesh=sequence=2 --rules=long_context      # 2 GPUs, SP
+  python benchmarks/parallel_scaling.py --mesh="" --moe-backend=ragged_dot          # vs auto (pallas_gpu)
 
 The model is configs/k3_h200.py cut to `--layers` decoder layers (dense layer, 2 KDA, 1 MLA
 prefix; scanned super-blocks; final MLA), AdamW, bf16, full remat, synthetic packed batch.
@@ -41,6 +42,7 @@ def make_config(args):
   cfg.train.global_batch_size = args.batch
   cfg.parallel.rules = args.rules
   cfg.parallel.expert_exchange = args.exchange
+  cfg.model.moe.backend = args.moe_backend
   if args.smoke:   # a CPU-sized stand-in, to check the script itself
     m = cfg.model
     m.vocab_size, m.d_model, m.dense_ffn_hidden, m.dtype = 4096, 128, 256, "float32"
@@ -75,6 +77,8 @@ def main():
   p.add_argument("--batch", type=int, default=2)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--exchange", default="auto", help="parallel.expert_exchange")
+  p.add_argument("--moe-backend", default="auto",
+                 help="model.moe.backend: auto | ragged_dot | pallas_gpu | … (issue 7's step timing)")
   p.add_argument("--smoke", action="store_true", help="tiny widths, for a CPU check of the script")
   args = p.parse_args()
   cfg = make_config(args)
@@ -105,7 +109,8 @@ def main():
       "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),
       "tokens_per_s_per_device": round(tokens / step_s / n), "compile_s": round(compile_s, 1),
       "peak_gib": round(peak / 2**30, 2), "losses": [round(l, 4) for l in losses],
-      "expert_exchange": cfg.parallel.expert_exchange, "jax": jax.__version__}), flush=True)
+      "expert_exchange": cfg.parallel.expert_exchange, "moe_backend": cfg.model.moe.backend,
+      "jax": jax.__version__}), flush=True)
 
 
 if __name__ == "__main__":
