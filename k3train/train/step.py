@@ -99,8 +99,8 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1):
   """(loss, (new rest, loss tokens), grads) for one step's batch, accumulated over micro-batches.
 
   microbatches == 1 is the plain value_and_grad of `forward_loss`. Otherwise the batch size must
-  divide by it; gradients accumulate in the parameters' dtype inside a scan (one micro-batch's
-  activations live at a time).
+  divide by it; gradients accumulate in fp32 inside a scan (one micro-batch's activations live at
+  a time) and come back in the parameters' dtype.
   """
   grad_fn = jax.value_and_grad(forward_loss, argnums=1, has_aux=True)
   if microbatches == 1:
@@ -114,14 +114,15 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1):
 
   def body(acc, xs):
     mb, weight = xs
-    mb = {k: ax.constrain(v, ax.BATCH, ax.SEQ) for k, v in mb.items()}
+    mb = {k: ax.constrain(v, ax.BATCH, ax.SEQ) if v.ndim == 2 else v for k, v in mb.items()}
     (loss, (new_rest, _)), grads = grad_fn(graphdef, params, rest, mb)
     grads_acc, loss_acc = acc
-    grads_acc = jax.tree.map(lambda a, g: a + weight.astype(g.dtype) * g, grads_acc, grads)
+    grads_acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), grads_acc, grads)
     return (grads_acc, loss_acc + weight * loss), new_rest
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   (grads, loss), rest_n = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), (micro, weight_n))
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   return (loss, (_combine_rest(rest_n), jnp.sum(tokens_n))), grads
 
 
