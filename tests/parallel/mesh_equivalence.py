@@ -23,7 +23,7 @@ from flax import nnx
 from configs import k3_tiny
 from k3train.parallel import rules as rules_lib
 from k3train.train import layout as layout_lib
-from k3train.train.step import forward_loss
+from k3train.train import step as step_lib
 
 GLOBAL_BATCH = 16   # ≥ 2 rows per device on every mesh below
 
@@ -35,6 +35,8 @@ def tiny_config(mesh_arg: str = ""):
     key, value = item.split("=")
     if key == "rules":
       cfg.parallel.rules = value
+    elif key == "microbatches":
+      cfg.train.microbatches = int(value)
     else:
       cfg.parallel[key] = int(value)
   for axis in ("data", "expert", "sequence", "tensor"):
@@ -48,12 +50,12 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 COLLECTIVES = ("all-to-all", "all-gather", "collective-permute", "all-reduce", "reduce-scatter")
 
 
-def loss_and_grads(graphdef, layout, params, rest, batch):
-  """(loss, grads, {collective: count in the compiled HLO})."""
+def loss_and_grads(graphdef, layout, params, rest, batch, microbatches: int = 1):
+  """(loss, grads, {collective: count in the compiled HLO}); gradients accumulated over
+  `microbatches` micro-batches as the train step does."""
   def f(params, rest, batch):
     with rules_lib.activate(layout.mesh, layout.rules):
-      (loss, _), grads = jax.value_and_grad(forward_loss, argnums=1, has_aux=True)(
-          graphdef, params, rest, batch)
+      (loss, _), grads = step_lib.loss_and_grads(graphdef, params, rest, batch, microbatches)
     return loss, grads
   compiled = jax.jit(f).lower(params, rest, batch).compile(compiler_options=FAST_COMPILE)
   hlo = compiled.as_text()
@@ -102,7 +104,8 @@ def main(mesh_args):
     sh = layout_lib.model_shardings(cfg, layout)
     p_sh, r_sh = nnx.split_state(sh, nnx.Param, ...)
     loss, grads, collectives = loss_and_grads(graphdef, layout, jax.device_put(params, p_sh),
-                                 jax.device_put(rest, r_sh), layout.global_batch(host_batch))
+                                 jax.device_put(rest, r_sh), layout.global_batch(host_batch),
+                                 cfg.train.microbatches)
     worst, worst_name, scale = 0.0, "", 0.0
     for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
       name = jax.tree_util.keystr(p)

@@ -1,4 +1,5 @@
-"""k3_tiny's loss and gradients on five 8-device CPU meshes equal the single-device values.
+"""k3_tiny's loss and gradients on six 8-device CPU meshes equal the single-device values (the
+last with gradient accumulation over 2 micro-batches around expert and sequence parallelism).
 
 Runs `mesh_equivalence.py` in a subprocess with 8 host-platform devices (this pytest process has
 one). Tolerances (fp32; sharding changes only reduction order): loss within 1e-6 relative, every
@@ -24,6 +25,9 @@ MESHES = {
     "data=2,tensor=2,expert=2": {"all-to-all"},
     "rules=long_context,fsdp=2,sequence=4": {"collective-permute", "all-gather"},
     "rules=long_context,sequence=8": {"collective-permute", "all-gather"},
+    # Gradient accumulation (2 micro-batches in a scan) around expert and sequence parallelism.
+    "rules=long_context,fsdp=2,expert=2,sequence=2,microbatches=2":
+        {"all-to-all", "collective-permute", "all-gather"},
 }
 
 
