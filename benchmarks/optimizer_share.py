@@ -11,10 +11,10 @@ warm-up call each; the optimizer share is (b − a) / b. Prints one JSON line.
 --cost_only measures nothing (no parameters allocated, nothing compiled or run), so a model too
 large for the machine still gets an estimate of the optimizer's FLOP share: the optimizer update
 (Newton–Schulz and the rest) lowered on abstract inputs and counted by XLA's static cost
-analysis, against the model's 6 · (active matmul parameters) · tokens per step. The model side
-is not taken from XLA's count because that counts `ragged_dot` as dense over every expert (64×
-too much for k3_h200); it leaves out attention's T² term and the KDA chunk internals, so the
-share is an upper bound. On an accelerator the time share also depends on how well the many
+analysis, against the model's training FLOPs per step from the train loop's own formula
+(`k3train/train/metrics.py`: matmuls of the active parameters, attention and KDA terms; no remat
+recompute). The model side is not taken from XLA's count because that counts `ragged_dot` as
+dense over every expert (64× too much for k3_h200). On an accelerator the time share also depends on how well the many
 small Newton–Schulz matmuls use it, which only the timed mode shows.
 """
 
@@ -38,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3train import config as config_lib  # noqa: E402
 from k3train.model.decoder import K3Model, build_model  # noqa: E402
 from k3train.optim.optimizer import make_optimizer  # noqa: E402
+from k3train.tools.count_params import count  # noqa: E402
+from k3train.train import metrics as metrics_lib  # noqa: E402
 from k3train.train.step import init_state, loss_and_grads, make_train_step  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/k3_tiny.py", "config file")
@@ -61,7 +63,7 @@ def _machine() -> dict:
 
 
 def _static_estimate(cfg) -> dict:
-  """Optimizer-update FLOPs (XLA static count) against 6 · active matmul parameters · tokens."""
+  """Optimizer-update FLOPs (XLA static count) against the model's training FLOPs per step."""
   model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(params=0)))
   params = nnx.state(model, nnx.Param)
   optimizer = make_optimizer(cfg, params)
@@ -69,19 +71,16 @@ def _static_estimate(cfg) -> dict:
   lowered = jax.jit(optimizer.update).lower(params, opt_state, params)   # grads shaped as params
   cost = lowered.cost_analysis()
   optimizer_flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
-  total = routed = embedding = 0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    names = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
-    total += leaf.size
-    routed += leaf.size if "experts" in names else 0
-    embedding += leaf.size if "embed" in names else 0
-  moe = cfg.model.moe
-  active_matmul = total - embedding - routed * (1 - moe.top_k / moe.num_experts)
+  counts = count(cfg)          # the same counts and FLOP formula as the train loop's MFU
+  flops_per_token = metrics_lib.train_flops_per_token(
+      cfg, counts["active_params"], counts["components"].get("embedding", {}).get("params", 0),
+      cfg.data.seq_len)
   tokens = cfg.train.global_batch_size * cfg.data.seq_len
-  model_flops = 6.0 * active_matmul * tokens
+  model_flops = flops_per_token * tokens
   return {"config": flags.FLAGS["config"].config_filename, "optimizer": _OPTIMIZER.value,
           "mode": "static estimate (nothing run)", "tokens_per_step": tokens,
-          "params_b": round(total / 1e9, 3), "active_matmul_params_b": round(active_matmul / 1e9, 3),
+          "params_b": round(counts["total_params"] / 1e9, 3),
+          "active_params_b": round(counts["active_params"] / 1e9, 3),
           "model_tflop_per_step": round(model_flops / 1e12, 2),
           "optimizer_tflop_per_step": round(optimizer_flops / 1e12, 2),
           "optimizer_flop_share": round(optimizer_flops / (optimizer_flops + model_flops), 4)}

@@ -30,6 +30,12 @@ LAYERS = "layers"          # stacked (scanned) layer axis
 SOURCES = "sources"        # AttnRes sources axis
 
 
+def names_of(var) -> tuple | None:
+  """The logical axis names a model Variable was created with (its `out_sharding`), or None."""
+  names = var.get_metadata().get("out_sharding")
+  return tuple(names) if names else None
+
+
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
   """Constrain an activation's sharding through logical axis names (no-op outside a mesh)."""
   if len(names) != x.ndim:

@@ -54,6 +54,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from optax.contrib import MuonDimensionNumbers
 
+from k3train.model import axes
 from k3train.tree_paths import path_names
 
 GROUPS = ("muon_per_head", "muon_per_expert", "muon_matrix", "adamw")
@@ -306,9 +307,9 @@ def logical_names_by_key(params_like) -> dict[str, tuple]:
   out = {}
   for path, var in jax.tree_util.tree_flatten_with_path(
       params_like, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-    names = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
+    names = axes.names_of(var) if isinstance(var, nnx.Variable) else None
     if names:
-      out[_key(path)] = tuple(names)
+      out[_key(path)] = names
   return out
 
 

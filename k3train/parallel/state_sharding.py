@@ -23,11 +23,11 @@ BATCH_KEYS_2D = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
 def variable_spec(path, var: nnx.Variable, rules: Rules, mesh: Mesh) -> P:
   """PartitionSpec of one Variable from its logical names (replicated when it has none)."""
-  names = var.get_metadata().get("out_sharding")
+  names = ax.names_of(var)
   shape = var.get_value().shape
   if names is None:
     return P()
-  return spec_for(tuple(names), shape, rules, mesh, what=f"parameter {'.'.join(path_names(path))}")
+  return spec_for(names, shape, rules, mesh, what=f"parameter {'.'.join(path_names(path))}")
 
 
 def nnx_state_shardings(state: nnx.State, rules: Rules, mesh: Mesh) -> nnx.State:

@@ -210,6 +210,7 @@ def leaf_layouts(state: AbstractState, rules) -> list[LeafLayout]:
   import jax
   import numpy as np
   from flax import nnx
+  from k3train.model import axes as axes_lib
   from k3train.parallel import rules as rules_lib
   from k3train.parallel import state_sharding
   from k3train.parallel.mesh import MESH_AXES
@@ -224,8 +225,8 @@ def leaf_layouts(state: AbstractState, rules) -> list[LeafLayout]:
         tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
       names = path_names(path)
       value = var.get_value()
-      logical = var.get_metadata().get("out_sharding")
-      axes = axes_of(rules_lib.logical_to_spec(tuple(logical), rules)) if logical else \
+      logical = axes_lib.names_of(var)
+      axes = axes_of(rules_lib.logical_to_spec(logical, rules)) if logical else \
           ((),) * len(value.shape)
       leaf = LeafLayout(group, ".".join(names), tuple(value.shape), np.dtype(value.dtype).itemsize,
                         axes, _unit_of(names))
