@@ -6,7 +6,8 @@
 pallas_gpu variants (pallas_gpu.py): "fused" (sequential kernels compute everything per chunk,
 the default) or "split" (sequential kernels only carry the state; output / local backward terms in
 chunk-parallel kernels), with options joined by "-": bv<N> (V-block of the sequential kernels,
-default 32), w<N> (their num_warps, default 4), nohoist (split backward keeps Qgᵀ dO in the loop).
+default 32), w<N> (their num_warps, default 4), nohoist (split backward keeps Qgᵀ dO in the loop),
+ibk<N> / iw<N> (K-block and num_warps of the intra-chunk kernels, defaults 64 / 8).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
 1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
@@ -68,14 +69,18 @@ def parse_variant(name):
     raise ValueError(f"variant {name!r}: must start with 'fused' or 'split'")
   kw = dict(split=head == "split")
   for opt in opts:
-    if opt.startswith("bv") and opt[2:].isdigit():
+    if opt.startswith("ibk") and opt[3:].isdigit():
+      kw["intra_bk"] = int(opt[3:])
+    elif opt.startswith("iw") and opt[2:].isdigit():
+      kw["intra_warps"] = int(opt[2:])
+    elif opt.startswith("bv") and opt[2:].isdigit():
       kw["bv"] = int(opt[2:])
     elif opt.startswith("w") and opt[1:].isdigit():
       kw["state_warps"] = int(opt[1:])
     elif opt == "nohoist" and head == "split":
       kw["hoist_qdo"] = False
     else:
-      raise ValueError(f"variant {name!r}: unknown option {opt!r} (bv<N>, w<N>, nohoist)")
+      raise ValueError(f"variant {name!r}: unknown option {opt!r} (bv<N>, w<N>, nohoist, ibk<N>, iw<N>)")
   with pallas_gpu.configured(**kw):   # validates bv / warps before anything runs
     pass
   return kw

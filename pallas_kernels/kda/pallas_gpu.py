@@ -28,16 +28,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda import kernels
+from pallas_kernels.kda import intra_levels, kernels
 
 F32 = jnp.float32
-SUB = 16
 
 # Module defaults of the state-pass variant (launcher keywords override them per call).
 SPLIT = False        # fused sequential kernels (the measured variant); True: split variant
 BLOCK_V = 32         # V-columns per sequential program (power of two >= 16)
 HOIST_QDO = True     # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V] buffer)
 STATE_WARPS = 4      # num_warps of the sequential kernels
+INTRA_BK = 64        # K-columns per block inside the intra-chunk kernels
+INTRA_WARPS = 8      # num_warps of the intra-chunk kernels
 
 
 def _params(num_warps: int, num_stages: int = 2):
@@ -65,28 +66,34 @@ def block_v(dv: int, bv: int | None = None) -> int:
 
 @contextlib.contextmanager
 def configured(*, split: bool | None = None, bv: int | None = None,
-               hoist_qdo: bool | None = None, state_warps: int | None = None):
+               hoist_qdo: bool | None = None, state_warps: int | None = None,
+               intra_bk: int | None = None, intra_warps: int | None = None):
   """Temporarily set the module defaults (None leaves one unchanged), e.g. to time variants.
 
   Jitted callers (op._kda_pallas_core) cache their traces without these settings in the key, so
   JAX's caches are cleared on entry and on exit: compile and run what should use the variant
   inside the block.
   """
-  global SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS
+  global SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS
   if bv is not None:
     _check_bv(bv)
-  if state_warps is not None:
-    _check_warps(state_warps)
-  saved = SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS
+  if intra_bk is not None:
+    _check_bv(intra_bk)
+  for warps in (state_warps, intra_warps):
+    if warps is not None:
+      _check_warps(warps)
+  saved = SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS
   jax.clear_caches()
   try:
     SPLIT = SPLIT if split is None else bool(split)
     BLOCK_V = BLOCK_V if bv is None else bv
     HOIST_QDO = HOIST_QDO if hoist_qdo is None else bool(hoist_qdo)
     STATE_WARPS = STATE_WARPS if state_warps is None else state_warps
+    INTRA_BK = INTRA_BK if intra_bk is None else intra_bk
+    INTRA_WARPS = INTRA_WARPS if intra_warps is None else intra_warps
     yield
   finally:
-    SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS = saved
+    SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS = saved
     jax.clear_caches()
 
 
@@ -97,29 +104,35 @@ def _variant(split, bv, dv, warps):
   return split, block_v(dv, bv), warps
 
 
-def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret):
-  """Intra-chunk kernel over grid (B, N, H). Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V]
-  in q's dtype (the dots' operand dtype), then akk, inv [B,T,H,C] fp32 for the backward."""
+def _intra_bk(dk: int) -> int:
+  return min(dk, INTRA_BK)
+
+
+def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
+  """Intra-chunk kernel (intra_levels.intra_fwd_kernel) over grid (B, N, H). Returns aqk
+  [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V] in q's dtype (the dots' operand dtype), then, when
+  `save` (training), akk, inv [B,T,H,C] fp32 for the backward (else None, None)."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
   st = q.dtype
-  beta4 = beta[..., None]                                   # [B, T, H, 1]
-  cnt_col = cnt[..., None]                                  # [B, T, 1]
-  cnt_row = cnt.reshape(b, n, 1, chunk)                     # [B, N, 1, C]
   tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
-  kernel = functools.partial(kernels.intra_kernel, scale=scale, sub=SUB, mm_dtype=st)
+  kernel = functools.partial(intra_levels.intra_fwd_kernel, scale=scale, bk=_intra_bk(dk),
+                             mm_dtype=st)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (chunk, dk, dv, dk, dk)]
-  shapes += [jax.ShapeDtypeStruct((b, t, h, chunk), F32)] * 2
-  return pl.pallas_call(
+  out_specs = [tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)]
+  if save:
+    shapes += [jax.ShapeDtypeStruct((b, t, h, chunk), F32)] * 2
+    out_specs += [tok(chunk), tok(chunk)]
+  outs = pl.pallas_call(
       kernel, grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
                 pl.BlockSpec((None, chunk, 1), lambda ib, ic, ih: (ib, ic, 0)),
                 pl.BlockSpec((None, None, 1, chunk), lambda ib, ic, ih: (ib, ic, 0, 0))],
-      out_specs=[tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk), tok(chunk), tok(chunk)],
-      out_shape=shapes, interpret=interpret,
-      compiler_params=None if interpret else _params(8, 1),
-  )(q, k, v, gam, beta4, cnt_col, cnt_row)
+      out_specs=out_specs, out_shape=shapes, interpret=interpret,
+      compiler_params=None if interpret else _params(INTRA_WARPS, 1),
+  )(q, k, v, gam, beta[..., None], cnt[..., None], cnt.reshape(b, n, 1, chunk))
+  return tuple(outs) if save else tuple(outs) + (None, None)
 
 
 def _seq(t, d):
@@ -386,24 +399,32 @@ def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):
   )(hs, dhs, delta, ddelta, do)
 
 
-def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, *, scale, chunk,
-              interpret):
-  """Intra-chunk backward over grid (B, N, H); see kernels.intra_bwd_kernel. Returns fp32
-  dq, dk [B,T,H,K], dv [B,T,H,V], dbeta [B,T,H,1], dgam [B,T,H,K]."""
+def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, dd, d, *, scale,
+              chunk, interpret):
+  """Intra-chunk backward (intra_levels.intra_bwd_kernel) over grid (B, N, H), ending at dg.
+  dd, d [B,N,H,K,1]: the state decay's cotangent and value. Returns dq, dk [B,T,H,K], dv
+  [B,T,H,V] in q's dtype, dbeta [B,T,H,1] fp32 and dg [B,T,H,K] fp32."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
-  tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
-  kernel = functools.partial(kernels.intra_bwd_kernel, scale=scale, sub=SUB, mm_dtype=q.dtype)
+  tok = lambda d_: pl.BlockSpec((None, chunk, None, d_), lambda ib, ic, ih: (ib, ic, ih, 0))
+  row_k = pl.BlockSpec((None, None, None, 1, dk), lambda ib, ic, ih: (ib, ic, ih, 0, 0))
+  kernel = functools.partial(intra_levels.intra_bwd_kernel, scale=scale, bk=_intra_bk(dk),
+                             mm_dtype=q.dtype)
+  ddl = (dd * d).reshape(b, n, h, 1, dk)                    # [K, 1] and [1, K]: same memory order
   return pl.pallas_call(
       kernel, grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
                 pl.BlockSpec((None, chunk, 1), lambda ib, ic, ih: (ib, ic, 0)),
                 pl.BlockSpec((None, None, 1, chunk), lambda ib, ic, ih: (ib, ic, 0, 0)),
                 tok(chunk), tok(chunk), tok(dk), tok(dv),
-                tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)],
+                tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk), row_k],
       out_specs=[tok(dk), tok(dk), tok(dv), tok(1), tok(dk)],
-      out_shape=[jax.ShapeDtypeStruct((b, t, h, d), F32) for d in (dk, dk, dv, 1, dk)],
-      interpret=interpret, compiler_params=None if interpret else _params(8, 1),
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), q.dtype),
+                 jax.ShapeDtypeStruct((b, t, h, dk), q.dtype),
+                 jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, t, h, 1), F32),
+                 jax.ShapeDtypeStruct((b, t, h, dk), F32)],
+      interpret=interpret, compiler_params=None if interpret else _params(INTRA_WARPS, 1),
   )(q, k, v, gam, beta[..., None], cnt[..., None], cnt.reshape(b, n, 1, chunk), akk, inv, w, u,
-    daqk, dw, du, dqg, dkt)
+    daqk, dw, du, dqg, dkt, ddl)

@@ -47,7 +47,7 @@ def _forward(q, k, v, g, beta, s0, cnt, *, scale, chunk, platform, interpret, sa
   gam = intra_lib.chunk_cumsum(g, chunk)
   d = intra_lib.state_decay(gam, cnt, chunk)
   aqk, w, u, qg, kt, akk, inv = mod.intra(q, k, v, gam, beta.astype(F32), cnt, scale=scale,
-                                          chunk=chunk, interpret=interpret)
+                                          chunk=chunk, interpret=interpret, save=save)
   outs = mod.state_fwd(qg, kt, w, u, aqk, d, s0.astype(F32), chunk=chunk, save=save,
                        interpret=interpret)
   return outs, (aqk, w, u, qg, kt, akk, inv, gam, d)
@@ -78,10 +78,9 @@ def _bwd(scale, chunk, platform, interpret, res, cts):
                                    chunk=chunk, interpret=interpret)
   dqg, dw, dkt, daqk, dd = mod.chunk_bwd(hs, dhs, delta, ddelta, do.astype(F32), chunk=chunk,
                                          interpret=interpret)
-  dq, dk, dv, dbeta, dgam = mod.intra_bwd(
-      q, k, v, gam, beta.astype(F32), cnt, akk, inv, w, u, daqk, dw, ddelta, dqg, dkt,
+  dq, dk, dv, dbeta, dg = mod.intra_bwd(
+      q, k, v, gam, beta.astype(F32), cnt, akk, inv, w, u, daqk, dw, ddelta, dqg, dkt, dd, d,
       scale=scale, chunk=chunk, interpret=interpret)
-  dg = intra_lib.gamma_to_g_grad(dgam, dd, d, chunk)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
           dbeta[..., 0].astype(beta.dtype), ds0, jnp.zeros_like(cnt))
 

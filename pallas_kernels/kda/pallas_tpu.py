@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.kda import intra as intra_lib
 from pallas_kernels.kda import kernels
 
 F32 = jnp.float32
@@ -37,8 +38,9 @@ def block_v(dv: int) -> int:
   return min(dv, 128)
 
 
-def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret):
-  """Same contract as pallas_gpu.intra; grid (B, H, N), all parallel."""
+def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
+  """Same contract as pallas_gpu.intra (akk and inv are always computed: the kernel body is the
+  shared `kernels.intra_kernel`); grid (B, H, N), all parallel."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
@@ -184,9 +186,10 @@ def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):
   return tuple(_hm(x) for x in outs)
 
 
-def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, *, scale, chunk,
-              interpret):
-  """Same contract as pallas_gpu.intra_bwd; grid (B, H, N), all parallel."""
+def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, dd, d, *, scale,
+              chunk, interpret):
+  """Same contract as pallas_gpu.intra_bwd; grid (B, H, N), all parallel. The kernel returns dΓ;
+  dg (reverse in-chunk cumsum plus the state-decay term) is formed in XLA here."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
@@ -204,4 +207,6 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, *
       interpret=interpret, compiler_params=_params("parallel", "parallel", "parallel"),
   )(*(_hm(x) for x in (q, k, v, gam, beta[..., None])), cnt[..., None],
     cnt.reshape(b, n, 1, chunk), *(_hm(x) for x in (akk, inv, w, u, daqk, dw, du, dqg, dkt)))
-  return tuple(_hm(x) for x in outs)
+  dq, dk_, dv_, dbeta, dgam = (_hm(x) for x in outs)
+  dg = intra_lib.gamma_to_g_grad(dgam, dd, d, chunk)
+  return dq.astype(q.dtype), dk_.astype(q.dtype), dv_.astype(q.dtype), dbeta, dg

@@ -1,0 +1,140 @@
+"""Per-kernel timings of the pallas_gpu KDA op on one GPU, to see where the time goes.
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_profile.py [--shapes=2x8192x16]
+
+For each B×T×H (K = V = 128, bf16, chunk 64) times every launcher of pallas_gpu.py on its own
+(intra, the state passes in both variants, output, local backward terms, chunk_bwd, intra_bwd)
+and the XLA glue (chunk cumsum, dg reverse cumsum), each as the median of 5 repeats of a 10-call
+loop after warm-up. The per-kernel sum against the whole op shows what the glue costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.kda import intra as intra_lib  # noqa: E402
+from pallas_kernels.kda import pallas_gpu as pg  # noqa: E402
+
+C = 64
+F32 = jnp.float32
+
+
+def time_fn(fn, *args, reps=10):
+  jax.block_until_ready(fn(*args))
+
+  def loop():
+    start = time.perf_counter()
+    for _ in range(reps):
+      r = fn(*args)
+    jax.block_until_ready(r)
+    return (time.perf_counter() - start) / reps * 1e3
+
+  loop()
+  return statistics.median(loop() for _ in range(5))
+
+
+def profile(b, t, h, lines, variants, intra_variants, interpret=False):
+  rng = np.random.default_rng(0)
+  kk = vv = 128
+  n = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q = jnp.asarray(n(rng.standard_normal((b, t, h, kk))), jnp.bfloat16)
+  k = jnp.asarray(n(rng.standard_normal((b, t, h, kk))), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((b, t, h, vv)), jnp.bfloat16)
+  g = jnp.asarray(-5 / (1 + np.exp(-(rng.standard_normal((b, t, h, kk)) - 1))), F32)
+  beta = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((b, t, h)))), F32)
+  cnt = jnp.zeros((b, t), F32)
+  s0 = jnp.zeros((b, h, kk, vv), F32)
+  scale = kk ** -0.5
+  kw = dict(chunk=C, interpret=interpret)
+
+  def rec(name, fn, *args):
+    try:
+      ms = time_fn(jax.jit(fn), *args)
+      lines.append(f"{b}x{t}x{h} {name:34s} {ms:8.3f} ms")
+    except Exception:
+      lines.append(f"{b}x{t}x{h} {name} FAILED: {traceback.format_exc()[-1200:]}")
+    print(lines[-1], flush=True)
+
+  gam = jax.jit(intra_lib.chunk_cumsum, static_argnums=1)(g, C)
+  d = jax.jit(intra_lib.state_decay, static_argnums=2)(gam, cnt, C)
+  rec("glue: chunk_cumsum+state_decay",
+      lambda g: intra_lib.state_decay(intra_lib.chunk_cumsum(g, C), cnt, C), g)
+  intra_fn = lambda q, k, v, gam, beta: pg.intra(q, k, v, gam, beta, cnt, scale=scale, **kw)
+  rec("intra (save)", intra_fn, q, k, v, gam, beta)
+  rec("intra (no save)", lambda *a: pg.intra(*a, cnt, scale=scale, save=False, **kw)[:5],
+      q, k, v, gam, beta)
+  aqk, w, u, qg, kt, akk, inv = jax.jit(intra_fn)(q, k, v, gam, beta)
+  do = jnp.asarray(rng.standard_normal((b, t, h, vv)), F32)
+  dsf = jnp.zeros((b, h, kk, vv), F32)
+  saved = {}
+  for name, opts in variants:
+    with pg.configured(**opts):
+      rec(f"state_fwd[{name}] (save)",
+          lambda *a: pg.state_fwd(*a, save=True, **kw), qg, kt, w, u, aqk, d, s0)
+      if opts.get("split"):
+        rec(f"  split seq part [{name}]",
+            lambda kt, w, u, d, s0: pg._state_fwd_seq(kt, w, u, d, s0, chunk=C, interpret=interpret,
+                                                      bv=pg.block_v(vv), warps=pg.STATE_WARPS),
+            kt, w, u, d, s0)
+      o, sf, hs, delta = jax.jit(lambda *a: pg.state_fwd(*a, save=True, **kw))(
+          qg, kt, w, u, aqk, d, s0)
+      saved = dict(hs=hs, delta=delta)
+      if opts.get("split"):
+        rec("  split output part", lambda *a: pg.output(*a, **kw), qg, hs, aqk, delta)
+      rec(f"state_bwd[{name}]", lambda *a: pg.state_bwd(*a, **kw), do, dsf, qg, kt, w, aqk, d)
+      if opts.get("split"):
+        rec("  split bwd_local part",
+            lambda *a: pg.bwd_local(*a, hoist_qdo=pg.HOIST_QDO, **kw), aqk, qg, do)
+  hs, delta = saved["hs"], saved["delta"]
+  ds0, dhs, ddelta = jax.jit(lambda *a: pg.state_bwd(*a, **kw))(do, dsf, qg, kt, w, aqk, d)
+  rec("chunk_bwd", lambda *a: pg.chunk_bwd(*a, **kw), hs, dhs, delta, ddelta, do)
+  dqg, dw, dkt, daqk, dd = jax.jit(lambda *a: pg.chunk_bwd(*a, **kw))(hs, dhs, delta, ddelta, do)
+  for name, opts in intra_variants:
+    with pg.configured(**opts):
+      if opts:
+        rec(f"intra (save) [{name}]", intra_fn, q, k, v, gam, beta)
+      rec(f"intra_bwd [{name}]", lambda *a: pg.intra_bwd(*a, scale=scale, **kw),
+          q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, ddelta, dqg, dkt, dd, d)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shapes", default="2x8192x16")
+  ap.add_argument("--variants", default="fused,split")
+  ap.add_argument("--intra-variants", default="default",
+                  help="comma list of 'default' or bk<N>w<M> (INTRA_BK, INTRA_WARPS)")
+  ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
+  a = ap.parse_args()
+  variants = []
+  for v in a.variants.split(","):
+    variants.append((v, dict(split=v.startswith("split"),
+                             **({"bv": int(v.split("bv")[1])} if "bv" in v else {}))))
+  intra_variants = []
+  for v in a.intra_variants.split(","):
+    if v == "default":
+      intra_variants.append((v, {}))
+    else:
+      bk, warps = v[2:].split("w")
+      intra_variants.append((v, dict(intra_bk=int(bk), intra_warps=int(warps))))
+  lines = [f"jax {jax.__version__} {jax.devices()}"]
+  for shape in a.shapes.split(","):
+    b, t, h = map(int, shape.split("x"))
+    start = time.perf_counter()
+    profile(b, t, h, lines, variants, intra_variants, a.interpret)
+    lines.append(f"{shape} took {time.perf_counter() - start:.0f} s")
+  print("\n==== summary ====\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,222 @@
+"""Intra-chunk KDA kernel bodies built from dots only ("levels"), for the Triton (GPU) launchers.
+
+Same contracts as `kernels.intra_kernel` / `kernels.intra_bwd_kernel` (their jnp twin is
+`intra.intra_all`), computed so that almost all work is tensor-core dots on [C, C] and [C, bk]
+tiles, with no row-by-row loops:
+
+* Scores. Every pair s < r of a chunk is split at the highest bit where r and s differ: at that
+  level L (a power of two < C) both lie in one block of 2L rows, r in its upper half and s in its
+  lower half, and m = the block's middle row lies between them. So
+      e^{Γ_r − Γ_s} = e^{Γ_r − Γ_m} · e^{Γ_m − Γ_s},  both factors ≤ 1 (g ≤ 0),
+  and with E_L[x] = exp(−|Γ_x − Γ_{m(x)}|) one masked dot per level gives that level's pairs:
+      A_qk += M_L ⊙ ((Q ⊙ E_L)(K ⊙ E_L)ᵀ),  A_kk += M_L ⊙ ((K ⊙ E_L)(K ⊙ E_L)ᵀ).
+  log2(C) levels cover all pairs exactly once; the diagonal of A_qk is the row dot q_r · k_r.
+  Nothing exponentiates a positive number, so Γ may fall to −∞ inside a chunk.
+* WY inverse X = (I + N)⁻¹ (N = Diag(β) A_kk, strictly lower) by block doubling: X starts as I
+  (the inverse of the 1×1 blocks) and each level joins pairs of diagonal blocks,
+      X ← X − X (M_L ⊙ N) X,
+  which is [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]] for every 2L-block. Dots here are "precise" (fp32 IEEE
+  for fp32 inputs, three bf16 dots of a hi/lo split otherwise).
+* Backward: the WY solve's VJP (dR = Xᵀ dY, dN = −dR Yᵀ), then the score gradients per level with
+  the same E_L factors, and dΓ → dg (reverse in-chunk cumsum, plus the state-decay cotangent on the
+  last row) as one precise dot with an upper-triangular ones matrix.
+
+K is walked in column blocks of `bk` (scores and per-column gradients are separable over K), so
+the live register tiles are [C, bk]; Γ_{m(x)} is a gathered row load per level.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.kernels import mm, mm_nt, mm_tn
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+def levels(c: int) -> tuple[int, ...]:
+  """Half-block sizes L = 1, 2, 4, … < C."""
+  return tuple(1 << i for i in range(c.bit_length() - 1))
+
+
+def _iota(shape, axis):
+  return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def level_mask(c: int, half: int):
+  """M_L [C, C]: r in the upper half, s in the lower half of the same 2L-block."""
+  row, col = _iota((c, c), 0), _iota((c, c), 1)
+  size = 2 * half
+  return ((lax.div(row, size) == lax.div(col, size)) & (lax.rem(row, size) >= half)
+          & (lax.rem(col, size) < half))
+
+
+def level_decay(gam_ref, gam, cols, c: int, half: int):
+  """E_L [C, bk] = exp(−|Γ_x − Γ_{m(x)}|), m(x) the middle row of x's 2L-block."""
+  size = 2 * half
+  mid = lax.div(_iota((c,), 0), size) * size + half
+  return jnp.exp(-jnp.abs(gam - gam_ref[mid, cols]))
+
+
+def _split(x):
+  hi = x.astype(BF16)
+  return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def mm_precise(a, b, mm_dtype):
+  """a [M, D] @ b [D, N] to about fp32 accuracy: IEEE fp32 dots for fp32 inputs, else three bf16
+  tensor-core dots of a hi/lo split (a_hi b_hi + a_hi b_lo + a_lo b_hi)."""
+  if jnp.dtype(mm_dtype) == F32:
+    return mm(a, b, F32)
+  a_hi, a_lo = _split(a.astype(F32))
+  b_hi, b_lo = _split(b.astype(F32))
+  return mm(a_hi, b_hi, BF16) + (mm(a_hi, b_lo, BF16) + mm(a_lo, b_hi, BF16))
+
+
+def wy_inverse(n, mm_dtype):
+  """(I + N)⁻¹ for N [C, C] strictly lower, by block doubling (module docstring)."""
+  c = n.shape[0]
+  x = (_iota((c, c), 0) == _iota((c, c), 1)).astype(F32)
+  for half in levels(c):
+    x = x - mm_precise(mm_precise(x, jnp.where(level_mask(c, half), n, 0.0), mm_dtype), x, mm_dtype)
+  return x
+
+
+def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
+                     aqk_ref, w_ref, u_ref, qg_ref, kt_ref, *saved_refs, scale, bk, mm_dtype):
+  """One chunk of one (batch, head): A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K, and when `saved_refs` are
+  given (training) also akk (masked A_kk) and inv ((I + Diag(β) A_kk)⁻¹), [C, C] fp32.
+
+  Refs: q, k, gam [C, K]; v [C, V]; beta, cnt [C, 1]; cntr [1, C]; outputs as
+  `kernels.intra_kernel`.
+  """
+  c, dk = q_ref.shape
+  dv = v_ref.shape[1]
+  row, col = _iota((c, c), 0), _iota((c, c), 1)
+  cnt = cnt_ref[...]
+  same = cnt == cntr_ref[...]
+  beta = beta_ref[...].astype(F32)
+  masks = [level_mask(c, half) for half in levels(c)]
+
+  a_qk = jnp.zeros((c, c), F32)
+  a_kk = jnp.zeros((c, c), F32)
+  diag = jnp.zeros((c, 1), F32)
+  for kb in range(dk // bk):
+    cols = pl.ds(kb * bk, bk)
+    q = q_ref[:, cols].astype(F32) * scale
+    k = k_ref[:, cols].astype(F32)
+    gam = gam_ref[:, cols]
+    diag = diag + jnp.sum(q * k, axis=1, keepdims=True)
+    for half, mask in zip(levels(c), masks):
+      e = level_decay(gam_ref, gam, cols, c, half)
+      ke = k * e
+      a_qk = a_qk + jnp.where(mask, mm_nt(q * e, ke, mm_dtype), 0.0)
+      a_kk = a_kk + jnp.where(mask, mm_nt(ke, ke, mm_dtype), 0.0)
+  a_qk = jnp.where(same & (col <= row), jnp.where(row == col, diag, a_qk), 0.0)
+  a_kk = jnp.where(same & (col < row), a_kk, 0.0)
+  inv = wy_inverse(beta * a_kk, mm_dtype)
+  inv_mm = inv.astype(mm_dtype)
+
+  sees = cnt == 0.0
+  cnt_last = cnt_ref[pl.ds(c - 1, 1), :]
+  in_last = cnt == cnt_last
+  for kb in range(dk // bk):
+    cols = pl.ds(kb * bk, bk)
+    q = q_ref[:, cols].astype(F32) * scale
+    k = k_ref[:, cols].astype(F32)
+    gam = gam_ref[:, cols]
+    decay = jnp.exp(gam)
+    kg = jnp.where(sees, k * decay, 0.0)
+    w_ref[:, cols] = mm(inv_mm, beta * kg, mm_dtype).astype(w_ref.dtype)
+    qg_ref[:, cols] = jnp.where(sees, q * decay, 0.0).astype(qg_ref.dtype)
+    tail = jnp.where(in_last, jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
+    kt_ref[:, cols] = (k * tail).astype(kt_ref.dtype)
+  for vb in range(max(dv // bk, 1)):
+    cols = pl.ds(vb * bk, min(bk, dv))
+    u_ref[:, cols] = mm(inv_mm, beta * v_ref[:, cols].astype(F32), mm_dtype).astype(u_ref.dtype)
+  aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
+  if saved_refs:
+    saved_refs[0][...] = a_kk
+    saved_refs[1][...] = inv
+
+
+def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, akk_ref, inv_ref,
+                     w_ref, u_ref, daqk_ref, dw_ref, du_ref, dqg_ref, dkt_ref, ddl_ref,
+                     dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *, scale, bk, mm_dtype):
+  """VJP of `intra_fwd_kernel` for one chunk, ending at dg (not dΓ).
+
+  Inputs as the forward plus its akk/inv/w/u, the cotangents of aqk, w, u, qg, kt, and
+  ddl [1, K] = dd ⊙ d (the state decay d = e^{Γ_C} and its cotangent), which joins dΓ's last row.
+  Outputs: dq (wrt the unscaled q), dk [C, K], dv [C, V] (their refs' dtypes), dbeta [C, 1] fp32,
+  dg [C, K] fp32 = Σ_{r' ≥ r in the chunk} dΓ_{r'}.
+  """
+  c, dk = q_ref.shape
+  dv = v_ref.shape[1]
+  row, col = _iota((c, c), 0), _iota((c, c), 1)
+  cnt = cnt_ref[...]
+  same = cnt == cntr_ref[...]
+  beta = beta_ref[...].astype(F32)
+  sees = cnt == 0.0
+  in_last = cnt == cnt_ref[pl.ds(c - 1, 1), :]
+  inv = inv_ref[...]
+
+  # WY backward, streamed over column blocks: Y = X R, R = Diag(β)[kg | v], X = (I + N)⁻¹.
+  dn = jnp.zeros((c, c), F32)
+  dbeta = jnp.zeros((c, 1), F32)
+  for vb in range(max(dv // bk, 1)):
+    cols = pl.ds(vb * bk, min(bk, dv))
+    dr_v = mm_tn(inv, du_ref[:, cols].astype(F32), mm_dtype)
+    dn = dn - mm_nt(dr_v, u_ref[:, cols], mm_dtype)
+    dbeta = dbeta + jnp.sum(dr_v * v_ref[:, cols].astype(F32), axis=1, keepdims=True)
+    dv_ref[:, cols] = (beta * dr_v).astype(dv_ref.dtype)
+  for kb in range(dk // bk):
+    cols = pl.ds(kb * bk, bk)
+    dr_k = mm_tn(inv, dw_ref[:, cols].astype(F32), mm_dtype)
+    dn = dn - mm_nt(dr_k, w_ref[:, cols], mm_dtype)
+    kg = jnp.where(sees, k_ref[:, cols].astype(F32) * jnp.exp(gam_ref[:, cols]), 0.0)
+    dbeta = dbeta + jnp.sum(dr_k * kg, axis=1, keepdims=True)
+  dn = jnp.where(same & (col < row), dn, 0.0)
+  dbeta_ref[...] = dbeta + jnp.sum(dn * akk_ref[...], axis=1, keepdims=True)
+  dakk = beta * dn
+  daqk = jnp.where(same & (col <= row), daqk_ref[...].astype(F32), 0.0)
+  d_diag = jnp.sum(jnp.where(row == col, daqk, 0.0), axis=1, keepdims=True)       # [C, 1]
+  masked = [(half, jnp.where(m, daqk, 0.0), jnp.where(m, dakk, 0.0))
+            for half, m in ((h, level_mask(c, h)) for h in levels(c))]
+  tri_up = (col >= row).astype(F32)                 # dg = tri_up @ dΓ (reverse in-chunk cumsum)
+  last_row = _iota((c, 1), 0) == c - 1
+
+  for kb in range(dk // bk):
+    cols = pl.ds(kb * bk, bk)
+    q = q_ref[:, cols].astype(F32) * scale
+    k = k_ref[:, cols].astype(F32)
+    gam = gam_ref[:, cols]
+    decay = jnp.exp(gam)
+    e_tail = jnp.where(in_last, jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
+    kt = k * e_tail
+    dkg = beta * mm_tn(inv, dw_ref[:, cols].astype(F32), mm_dtype)
+    dqg = dqg_ref[:, cols].astype(F32)
+    dkt = dkt_ref[:, cols].astype(F32)
+
+    # Score gradients: dq_a (row side of A_qk), dk_row (row side of A_kk), dk_col (column sides).
+    dq_a = d_diag * k
+    dk_row = jnp.zeros_like(k)
+    dk_col = d_diag * q
+    for half, daqk_l, dakk_l in masked:
+      e = level_decay(gam_ref, gam, cols, c, half)
+      qe, ke = q * e, k * e
+      dq_a = dq_a + e * mm(daqk_l, ke, mm_dtype)
+      dk_row = dk_row + e * mm(dakk_l, ke, mm_dtype)
+      dk_col = dk_col + e * (mm_tn(daqk_l, qe, mm_dtype) + mm_tn(dakk_l, ke, mm_dtype))
+
+    dq = jnp.where(sees, dqg * decay, 0.0) + dq_a
+    dk_ = jnp.where(sees, dkg * decay, 0.0) + dkt * e_tail + dk_row + dk_col
+    dgam = (jnp.where(sees, (dqg * q + dkg * k) * decay, 0.0) - dkt * kt
+            + q * dq_a + k * dk_row - k * dk_col)
+    dgam = dgam + jnp.where(last_row, jnp.sum(dkt * kt, axis=0, keepdims=True)
+                            + ddl_ref[:, cols], 0.0)
+    dq_ref[:, cols] = (dq * scale).astype(dq_ref.dtype)
+    dk_ref[:, cols] = dk_.astype(dk_ref.dtype)
+    dg_ref[:, cols] = mm_precise(tri_up, dgam, mm_dtype).astype(dg_ref.dtype)
