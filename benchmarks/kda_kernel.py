@@ -69,7 +69,11 @@ def parse_variant(name):
     raise ValueError(f"variant {name!r}: must start with 'fused' or 'split'")
   kw = dict(split=head == "split")
   for opt in opts:
-    if opt.startswith("ibk") and opt[3:].isdigit():
+    if opt in ("levels", "columns"):
+      kw["intra_fwd"] = opt
+    elif opt.startswith("cw") and opt[2:].isdigit():
+      kw["columns_warps"] = int(opt[2:])
+    elif opt.startswith("ibk") and opt[3:].isdigit():
       kw["intra_bk"] = int(opt[3:])
     elif opt.startswith("iw") and opt[2:].isdigit():
       kw["intra_warps"] = int(opt[2:])

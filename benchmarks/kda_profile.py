@@ -113,7 +113,7 @@ def main():
   ap.add_argument("--shapes", default="2x8192x16")
   ap.add_argument("--variants", default="fused,split")
   ap.add_argument("--intra-variants", default="default",
-                  help="comma list of 'default' or bk<N>w<M> (INTRA_BK, INTRA_WARPS)")
+                  help="comma list of 'default' or '-'-joined levels|columns, cw<N>, bk<N>w<M>")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
   a = ap.parse_args()
   variants = []
@@ -125,8 +125,16 @@ def main():
     if v == "default":
       intra_variants.append((v, {}))
     else:
-      bk, warps = v[2:].split("w")
-      intra_variants.append((v, dict(intra_bk=int(bk), intra_warps=int(warps))))
+      kw = {}
+      for opt in v.split("-"):
+        if opt in ("levels", "columns"):
+          kw["intra_fwd"] = opt
+        elif opt.startswith("cw"):
+          kw["columns_warps"] = int(opt[2:])
+        else:
+          bk, warps = opt[2:].split("w")
+          kw.update(intra_bk=int(bk), intra_warps=int(warps))
+      intra_variants.append((v, kw))
   lines = [f"jax {jax.__version__} {jax.devices()}"]
   for shape in a.shapes.split(","):
     b, t, h = map(int, shape.split("x"))

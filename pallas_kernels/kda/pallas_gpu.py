@@ -31,14 +31,17 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import intra_levels, kernels
 
 F32 = jnp.float32
+SUB = 16             # sub-chunk rows of the "columns" forward kernel
 
 # Module defaults of the state-pass variant (launcher keywords override them per call).
 SPLIT = False        # fused sequential kernels (the measured variant); True: split variant
 BLOCK_V = 32         # V-columns per sequential program (power of two >= 16)
 HOIST_QDO = True     # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V] buffer)
 STATE_WARPS = 4      # num_warps of the sequential kernels
-INTRA_BK = 64        # K-columns per block inside the intra-chunk kernels
-INTRA_WARPS = 8      # num_warps of the intra-chunk kernels
+INTRA_FWD = "columns"  # forward intra-chunk kernel: "columns" (kernels.intra_kernel) or "levels"
+INTRA_BK = 32        # K-columns per block inside the "levels" intra-chunk kernels
+INTRA_WARPS = 4      # num_warps of the intra-chunk kernels
+COLUMNS_WARPS = 8    # num_warps of the "columns" forward kernel
 
 
 def _params(num_warps: int, num_stages: int = 2):
@@ -67,22 +70,25 @@ def block_v(dv: int, bv: int | None = None) -> int:
 @contextlib.contextmanager
 def configured(*, split: bool | None = None, bv: int | None = None,
                hoist_qdo: bool | None = None, state_warps: int | None = None,
-               intra_bk: int | None = None, intra_warps: int | None = None):
+               intra_bk: int | None = None, intra_warps: int | None = None,
+               intra_fwd: str | None = None, columns_warps: int | None = None):
   """Temporarily set the module defaults (None leaves one unchanged), e.g. to time variants.
 
   Jitted callers (op._kda_pallas_core) cache their traces without these settings in the key, so
   JAX's caches are cleared on entry and on exit: compile and run what should use the variant
   inside the block.
   """
-  global SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS
+  global SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS
+  if intra_fwd not in (None, "columns", "levels"):
+    raise ValueError(f"kda pallas_gpu: intra_fwd must be 'columns' or 'levels', got {intra_fwd!r}")
   if bv is not None:
     _check_bv(bv)
   if intra_bk is not None:
     _check_bv(intra_bk)
-  for warps in (state_warps, intra_warps):
+  for warps in (state_warps, intra_warps, columns_warps):
     if warps is not None:
       _check_warps(warps)
-  saved = SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS
+  saved = SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS
   jax.clear_caches()
   try:
     SPLIT = SPLIT if split is None else bool(split)
@@ -91,9 +97,12 @@ def configured(*, split: bool | None = None, bv: int | None = None,
     STATE_WARPS = STATE_WARPS if state_warps is None else state_warps
     INTRA_BK = INTRA_BK if intra_bk is None else intra_bk
     INTRA_WARPS = INTRA_WARPS if intra_warps is None else intra_warps
+    INTRA_FWD = INTRA_FWD if intra_fwd is None else intra_fwd
+    COLUMNS_WARPS = COLUMNS_WARPS if columns_warps is None else columns_warps
     yield
   finally:
-    SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS = saved
+    (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD,
+     COLUMNS_WARPS) = saved
     jax.clear_caches()
 
 
@@ -109,19 +118,25 @@ def _intra_bk(dk: int) -> int:
 
 
 def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
-  """Intra-chunk kernel (intra_levels.intra_fwd_kernel) over grid (B, N, H). Returns aqk
-  [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V] in q's dtype (the dots' operand dtype), then, when
-  `save` (training), akk, inv [B,T,H,C] fp32 for the backward (else None, None)."""
+  """Intra-chunk kernel over grid (B, N, H): INTRA_FWD = "columns" (kernels.intra_kernel: the
+  diagonal sub-chunk blocks one column at a time, WY inverse row by row) or "levels"
+  (intra_levels.intra_fwd_kernel: dots only). Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K],
+  u [B,T,H,V] in q's dtype (the dots' operand dtype), then, when `save` (training), akk, inv
+  [B,T,H,C] fp32 for the backward (else None, None)."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
   st = q.dtype
   tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
-  kernel = functools.partial(intra_levels.intra_fwd_kernel, scale=scale, bk=_intra_bk(dk),
-                             mm_dtype=st)
+  columns = INTRA_FWD == "columns"
+  if columns:
+    kernel = functools.partial(kernels.intra_kernel, scale=scale, sub=SUB, mm_dtype=st)
+  else:
+    kernel = functools.partial(intra_levels.intra_fwd_kernel, scale=scale, bk=_intra_bk(dk),
+                               mm_dtype=st)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (chunk, dk, dv, dk, dk)]
   out_specs = [tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)]
-  if save:
+  if save or columns:                    # the columns kernel always writes akk and inv
     shapes += [jax.ShapeDtypeStruct((b, t, h, chunk), F32)] * 2
     out_specs += [tok(chunk), tok(chunk)]
   outs = pl.pallas_call(
@@ -130,9 +145,9 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
                 pl.BlockSpec((None, chunk, 1), lambda ib, ic, ih: (ib, ic, 0)),
                 pl.BlockSpec((None, None, 1, chunk), lambda ib, ic, ih: (ib, ic, 0, 0))],
       out_specs=out_specs, out_shape=shapes, interpret=interpret,
-      compiler_params=None if interpret else _params(INTRA_WARPS, 1),
+      compiler_params=None if interpret else _params(COLUMNS_WARPS if columns else INTRA_WARPS, 1),
   )(q, k, v, gam, beta[..., None], cnt[..., None], cnt.reshape(b, n, 1, chunk))
-  return tuple(outs) if save else tuple(outs) + (None, None)
+  return tuple(outs) if save else tuple(outs[:5]) + (None, None)
 
 
 def _seq(t, d):
