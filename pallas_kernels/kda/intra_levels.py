@@ -46,15 +46,16 @@ def _iota(shape, axis):
   return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def level_mask(c: int, half: int):
-  """M_L [C, C]: r in the upper half, s in the lower half of the same 2L-block."""
+def level_mask(c: int, half):
+  """M_L [C, C]: r in the upper half, s in the lower half of the same 2L-block (`half` may be a
+  traced int: the kernels loop over levels with fori_loop so nothing per level stays live)."""
   row, col = _iota((c, c), 0), _iota((c, c), 1)
   size = 2 * half
   return ((lax.div(row, size) == lax.div(col, size)) & (lax.rem(row, size) >= half)
           & (lax.rem(col, size) < half))
 
 
-def level_decay(gam_ref, gam, cols, c: int, half: int):
+def level_decay(gam_ref, gam, cols, c: int, half):
   """E_L [C, bk] = exp(−|Γ_x − Γ_{m(x)}|), m(x) the middle row of x's 2L-block."""
   size = 2 * half
   mid = lax.div(_iota((c,), 0), size) * size + half
@@ -76,13 +77,21 @@ def mm_precise(a, b, mm_dtype):
   return mm(a_hi, b_hi, BF16) + (mm(a_hi, b_lo, BF16) + mm(a_lo, b_hi, BF16))
 
 
+def _half(i):
+  """L = 2^i for a (traced) level index i."""
+  return lax.shift_left(jnp.int32(1), i)
+
+
 def wy_inverse(n, mm_dtype):
   """(I + N)⁻¹ for N [C, C] strictly lower, by block doubling (module docstring)."""
   c = n.shape[0]
-  x = (_iota((c, c), 0) == _iota((c, c), 1)).astype(F32)
-  for half in levels(c):
-    x = x - mm_precise(mm_precise(x, jnp.where(level_mask(c, half), n, 0.0), mm_dtype), x, mm_dtype)
-  return x
+
+  def join(i, x):
+    n_l = jnp.where(level_mask(c, _half(i)), n, 0.0)
+    return x - mm_precise(mm_precise(x, n_l, mm_dtype), x, mm_dtype)
+
+  eye = (_iota((c, c), 0) == _iota((c, c), 1)).astype(F32)
+  return lax.fori_loop(0, len(levels(c)), join, eye)
 
 
 def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
@@ -99,22 +108,30 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   cnt = cnt_ref[...]
   same = cnt == cntr_ref[...]
   beta = beta_ref[...].astype(F32)
-  masks = [level_mask(c, half) for half in levels(c)]
+  n_lev = len(levels(c))
 
-  a_qk = jnp.zeros((c, c), F32)
-  a_kk = jnp.zeros((c, c), F32)
-  diag = jnp.zeros((c, 1), F32)
-  for kb in range(dk // bk):
+  def score_block(kb, carry):
     cols = pl.ds(kb * bk, bk)
     q = q_ref[:, cols].astype(F32) * scale
     k = k_ref[:, cols].astype(F32)
     gam = gam_ref[:, cols]
-    diag = diag + jnp.sum(q * k, axis=1, keepdims=True)
-    for half, mask in zip(levels(c), masks):
+
+    def level(i, acc):
+      a_qk, a_kk = acc
+      half = _half(i)
+      mask = level_mask(c, half)
       e = level_decay(gam_ref, gam, cols, c, half)
       ke = k * e
-      a_qk = a_qk + jnp.where(mask, mm_nt(q * e, ke, mm_dtype), 0.0)
-      a_kk = a_kk + jnp.where(mask, mm_nt(ke, ke, mm_dtype), 0.0)
+      return (a_qk + jnp.where(mask, mm_nt(q * e, ke, mm_dtype), 0.0),
+              a_kk + jnp.where(mask, mm_nt(ke, ke, mm_dtype), 0.0))
+
+    a_qk, a_kk, diag = carry
+    a_qk, a_kk = lax.fori_loop(0, n_lev, level, (a_qk, a_kk))
+    return a_qk, a_kk, diag + jnp.sum(q * k, axis=1, keepdims=True)
+
+  zeros_cc = jnp.zeros((c, c), F32)
+  a_qk, a_kk, diag = lax.fori_loop(0, dk // bk, score_block,
+                                   (zeros_cc, zeros_cc, jnp.zeros((c, 1), F32)))
   a_qk = jnp.where(same & (col <= row), jnp.where(row == col, diag, a_qk), 0.0)
   a_kk = jnp.where(same & (col < row), a_kk, 0.0)
   inv = wy_inverse(beta * a_kk, mm_dtype)
@@ -123,7 +140,7 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   sees = cnt == 0.0
   cnt_last = cnt_ref[pl.ds(c - 1, 1), :]
   in_last = cnt == cnt_last
-  for kb in range(dk // bk):
+  def out_block(kb, _):
     cols = pl.ds(kb * bk, bk)
     q = q_ref[:, cols].astype(F32) * scale
     k = k_ref[:, cols].astype(F32)
@@ -134,6 +151,9 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
     qg_ref[:, cols] = jnp.where(sees, q * decay, 0.0).astype(qg_ref.dtype)
     tail = jnp.where(in_last, jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
     kt_ref[:, cols] = (k * tail).astype(kt_ref.dtype)
+    return _
+
+  lax.fori_loop(0, dk // bk, out_block, 0)
   for vb in range(max(dv // bk, 1)):
     cols = pl.ds(vb * bk, min(bk, dv))
     u_ref[:, cols] = mm(inv_mm, beta * v_ref[:, cols].astype(F32), mm_dtype).astype(u_ref.dtype)
@@ -183,34 +203,38 @@ def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, 
   dakk = beta * dn
   daqk = jnp.where(same & (col <= row), daqk_ref[...].astype(F32), 0.0)
   d_diag = jnp.sum(jnp.where(row == col, daqk, 0.0), axis=1, keepdims=True)       # [C, 1]
-  masked = [(half, jnp.where(m, daqk, 0.0), jnp.where(m, dakk, 0.0))
-            for half, m in ((h, level_mask(c, h)) for h in levels(c))]
   tri_up = (col >= row).astype(F32)                 # dg = tri_up @ dΓ (reverse in-chunk cumsum)
   last_row = _iota((c, 1), 0) == c - 1
 
-  for kb in range(dk // bk):
+  n_lev = len(levels(c))
+
+  def grad_block(kb, _):
     cols = pl.ds(kb * bk, bk)
     q = q_ref[:, cols].astype(F32) * scale
     k = k_ref[:, cols].astype(F32)
     gam = gam_ref[:, cols]
+
+    # Score gradients: dq_a (row side of A_qk), dk_row (row side of A_kk), dk_col (column sides).
+    def level(i, acc):
+      dq_a, dk_row, dk_col = acc
+      half = _half(i)
+      mask = level_mask(c, half)
+      daqk_l = jnp.where(mask, daqk, 0.0)
+      dakk_l = jnp.where(mask, dakk, 0.0)
+      e = level_decay(gam_ref, gam, cols, c, half)
+      qe, ke = q * e, k * e
+      return (dq_a + e * mm(daqk_l, ke, mm_dtype),
+              dk_row + e * mm(dakk_l, ke, mm_dtype),
+              dk_col + e * (mm_tn(daqk_l, qe, mm_dtype) + mm_tn(dakk_l, ke, mm_dtype)))
+
+    dq_a, dk_row, dk_col = lax.fori_loop(0, n_lev, level,
+                                         (d_diag * k, jnp.zeros_like(k), d_diag * q))
     decay = jnp.exp(gam)
     e_tail = jnp.where(in_last, jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
     kt = k * e_tail
     dkg = beta * mm_tn(inv, dw_ref[:, cols].astype(F32), mm_dtype)
     dqg = dqg_ref[:, cols].astype(F32)
     dkt = dkt_ref[:, cols].astype(F32)
-
-    # Score gradients: dq_a (row side of A_qk), dk_row (row side of A_kk), dk_col (column sides).
-    dq_a = d_diag * k
-    dk_row = jnp.zeros_like(k)
-    dk_col = d_diag * q
-    for half, daqk_l, dakk_l in masked:
-      e = level_decay(gam_ref, gam, cols, c, half)
-      qe, ke = q * e, k * e
-      dq_a = dq_a + e * mm(daqk_l, ke, mm_dtype)
-      dk_row = dk_row + e * mm(dakk_l, ke, mm_dtype)
-      dk_col = dk_col + e * (mm_tn(daqk_l, qe, mm_dtype) + mm_tn(dakk_l, ke, mm_dtype))
-
     dq = jnp.where(sees, dqg * decay, 0.0) + dq_a
     dk_ = jnp.where(sees, dkg * decay, 0.0) + dkt * e_tail + dk_row + dk_col
     dgam = (jnp.where(sees, (dqg * q + dkg * k) * decay, 0.0) - dkt * kt
@@ -220,3 +244,6 @@ def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, 
     dq_ref[:, cols] = (dq * scale).astype(dq_ref.dtype)
     dk_ref[:, cols] = dk_.astype(dk_ref.dtype)
     dg_ref[:, cols] = mm_precise(tri_up, dgam, mm_dtype).astype(dg_ref.dtype)
+    return _
+
+  lax.fori_loop(0, dk // bk, grad_block, 0)

@@ -40,7 +40,7 @@ HOIST_QDO = True     # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,
 STATE_WARPS = 4      # num_warps of the sequential kernels
 INTRA_FWD = "columns"  # forward intra-chunk kernel: "columns" (kernels.intra_kernel) or "levels"
 INTRA_BK = 32        # K-columns per block inside the "levels" intra-chunk kernels
-INTRA_WARPS = 4      # num_warps of the intra-chunk kernels
+INTRA_WARPS = 8      # num_warps of the "levels" intra-chunk kernels
 COLUMNS_WARPS = 8    # num_warps of the "columns" forward kernel
 
 
