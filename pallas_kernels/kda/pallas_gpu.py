@@ -113,8 +113,10 @@ def _variant(split, bv, dv, warps):
   return split, block_v(dv, bv), warps
 
 
-def _intra_bk(dk: int) -> int:
-  return min(dk, INTRA_BK)
+def _intra_bk(dk: int, dtype) -> int:
+  """K-block of the levels kernels: INTRA_BK, and at most 16 for fp32 inputs (IEEE fp32 dots
+  stage more shared memory; an H200 run at 64 overflowed it, and fp32 is the checking path)."""
+  return min(dk, INTRA_BK if jnp.dtype(dtype) != F32 else min(INTRA_BK, 16))
 
 
 def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
@@ -132,7 +134,7 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
   if columns:
     kernel = functools.partial(kernels.intra_kernel, scale=scale, sub=SUB, mm_dtype=st)
   else:
-    kernel = functools.partial(intra_levels.intra_fwd_kernel, scale=scale, bk=_intra_bk(dk),
+    kernel = functools.partial(intra_levels.intra_fwd_kernel, scale=scale, bk=_intra_bk(dk, st),
                                mm_dtype=st)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (chunk, dk, dv, dk, dk)]
   out_specs = [tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)]
@@ -424,7 +426,7 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   n = t // chunk
   tok = lambda d_: pl.BlockSpec((None, chunk, None, d_), lambda ib, ic, ih: (ib, ic, ih, 0))
   row_k = pl.BlockSpec((None, None, None, 1, dk), lambda ib, ic, ih: (ib, ic, ih, 0, 0))
-  kernel = functools.partial(intra_levels.intra_bwd_kernel, scale=scale, bk=_intra_bk(dk),
+  kernel = functools.partial(intra_levels.intra_bwd_kernel, scale=scale, bk=_intra_bk(dk, q.dtype),
                              mm_dtype=q.dtype)
   ddl = (dd * d).reshape(b, n, h, 1, dk)                    # [K, 1] and [1, K]: same memory order
   return pl.pallas_call(

@@ -1,0 +1,130 @@
+"""Static sm_90 statistics of the pallas_gpu KDA kernels, compiled on a machine without a GPU.
+
+  pip install --target /tmp/tri triton==3.6.0          # once; not a k3train dependency
+  JAX_PLATFORMS=cpu python benchmarks/kda_triton_stats.py [--dtype=bf16|fp32] \
+      [--set intra_fwd=levels --set intra_warps=8 ...] [--triton=/tmp/tri]
+
+Lowers the KDA forward + backward (B1 T256 H2, K = V = 128, chunk 64) for CUDA on the CPU, keeps
+the Triton IR of every pallas_call, compiles each with the `triton` package for sm_90 at the
+kernel's num_warps, and prints per kernel: registers, spill bytes (ptxas -v), shared memory, and
+SASS counts (all instructions, tensor-core MMAs, barriers, shared loads/stores, MUFU (exp), local
+loads/stores = spills, global loads/stores). Static counts, not timings: they show spills and
+layout round-trips through shared memory before a GPU run decides (benchmarks/kda_profile.py).
+`--set` takes pallas_gpu.configured keywords (ints and bools parsed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
+
+from pallas_kernels.kda import pallas_gpu  # noqa: E402
+from pallas_kernels.kda.pallas_op import kda_pallas  # noqa: E402
+
+SASS_COUNTS = dict(sass=r"/\*[0-9a-f]{4,}\*/", mma=r"HMMA|HGMMA", bar=r"BAR", sts=r"STS",
+                   lds=r"LDS", mufu=r"MUFU", ldl=r"LDL", stl=r"STL", ldg=r"LDG", stg=r"STG")
+
+
+def _warps(kernel_name: str) -> int:
+  """num_warps each launcher in pallas_gpu.py passes for this kernel body."""
+  return {"intra_kernel": pallas_gpu.COLUMNS_WARPS, "intra_fwd_kernel": pallas_gpu.INTRA_WARPS,
+          "intra_bwd_kernel": pallas_gpu.INTRA_WARPS, "chunk_bwd_kernel": 8,
+          "out_kernel": 4, "bwd_local_kernel": 4}.get(kernel_name, pallas_gpu.STATE_WARPS)
+
+
+def dump_ttir(dtype, out_dir: str) -> list[tuple[str, int]]:
+  """Lower fwd + bwd for CUDA and write each kernel's Triton IR; returns (path, num_warps)."""
+  lower = registration.lowering.lower_jaxpr_to_triton_module
+  found = []
+
+  def keep(jaxpr, *args, **kwargs):
+    result = lower(jaxpr, *args, **kwargs)
+    name = jaxpr.debug_info.func_name if jaxpr.debug_info else "kernel"
+    path = os.path.join(out_dir, f"{len(found):02d}_{name}.ttir")
+    with open(path, "w") as f:
+      f.write(result.module.operation.get_asm(enable_debug_info=False))
+    found.append((path, _warps(name)))
+    return result
+
+  b, t, h, d = 1, 256, 2, 128
+  x = jnp.ones((b, t, h, d), dtype)
+  g = jnp.zeros((b, t, h, d), jnp.float32)
+  beta = jnp.ones((b, t, h), jnp.float32)
+  s0 = jnp.zeros((b, h, d, d), jnp.float32)
+  cnt = jnp.zeros((b, t), jnp.float32)
+
+  def loss(q, k, v, g, beta):
+    return jnp.sum(kda_pallas(q, k, v, g, beta, s0, cnt, d ** -0.5, 64, "gpu", False)[0])
+
+  registration.lowering.lower_jaxpr_to_triton_module = keep
+  try:
+    jax.jit(jax.grad(loss, argnums=range(5))).trace(x, x, x, g, beta).lower(
+        lowering_platforms=("cuda",))
+  finally:
+    registration.lowering.lower_jaxpr_to_triton_module = lower
+  return found
+
+
+def compile_stats(path: str, warps: int, bin_dir: str) -> str:
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler.compiler import compile as triton_compile
+  kernel = triton_compile(path, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=1))
+  with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+    f.write(kernel.asm["cubin"])
+  sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
+                        capture_output=True, text=True, check=True).stdout
+  os.unlink(f.name)
+  ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", "-o",
+                          os.devnull, "-"], input=kernel.asm["ptx"], capture_output=True,
+                         text=True).stderr
+  regs = re.search(r"Used (\d+) registers", ptxas)
+  spill = re.search(r"(\d+) bytes spill stores", ptxas)
+  counts = " ".join(f"{k} {len(re.findall(p, sass))}" for k, p in SASS_COUNTS.items())
+  return (f"{os.path.basename(path):28s} warps {warps} regs {regs and regs.group(1)} "
+          f"spill {spill and spill.group(1)} B smem {kernel.metadata.shared} B  {counts}")
+
+
+def _parse_set(items):
+  kw = {}
+  for item in items:
+    key, _, value = item.partition("=")
+    if value in ("True", "False"):
+      kw[key] = value == "True"
+    else:
+      kw[key] = int(value) if value.isdigit() else value
+  return kw
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+  ap.add_argument("--set", action="append", default=[], help="pallas_gpu.configured key=value")
+  ap.add_argument("--triton", default="/tmp/tri", help="where `pip install --target` put triton")
+  a = ap.parse_args()
+  sys.path.insert(0, a.triton)
+  bin_dir = os.path.join(a.triton, "triton", "backends", "nvidia", "bin")
+  dtype = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32
+  with tempfile.TemporaryDirectory() as out_dir, pallas_gpu.configured(**_parse_set(a.set)):
+    kernels = dump_ttir(dtype, out_dir)
+    print(f"{a.dtype} {' '.join(a.set) or 'defaults'}")
+    for path, warps in kernels:
+      try:
+        print(compile_stats(path, warps, bin_dir), flush=True)
+      except Exception as e:  # report and go on with the other kernels
+        print(f"{os.path.basename(path)} FAILED: {str(e)[-400:]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
