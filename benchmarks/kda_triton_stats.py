@@ -93,7 +93,27 @@ def compile_stats(path: str, warps: int, bin_dir: str) -> str:
   spill = re.search(r"(\d+) bytes spill stores", ptxas)
   counts = " ".join(f"{k} {len(re.findall(p, sass))}" for k, p in SASS_COUNTS.items())
   return (f"{os.path.basename(path):28s} warps {warps} regs {regs and regs.group(1)} "
-          f"spill {spill and spill.group(1)} B smem {kernel.metadata.shared} B  {counts}")
+          f"spill {spill and spill.group(1)} B smem {kernel.metadata.shared} B  {counts}"
+          + "".join(f"\n    loop @{start:#x}: {body}" for start, body in loops(sass)))
+
+
+def loops(sass: str) -> list[tuple[int, str]]:
+  """Loop bodies of a SASS listing (a backward branch to an earlier address), with their
+  instruction counts: `trips × body` is the dynamic count a static total hides."""
+  lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+  addr = [int(a, 16) for a, _ in lines]
+  found = []
+  for i, (a, text) in enumerate(lines):
+    m = re.search(r"BRA\S*\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)", text)
+    if not m:
+      continue
+    target = int(m.group(1), 16)
+    if target < addr[i]:
+      body = [t for b, (_, t) in zip(addr, lines) if target <= b <= addr[i]]
+      stats = " ".join(f"{k} {sum(bool(re.search(p, t)) for t in body)}"
+                       for k, p in SASS_COUNTS.items() if k != "sass")
+      found.append((target, f"{len(body)} instructions ({stats})"))
+  return found
 
 
 def _parse_set(items):
