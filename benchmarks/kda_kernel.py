@@ -173,20 +173,22 @@ def time_jax(backend, arrays, reps=10):
     return jnp.sum(kda(q, k, v, g, beta, backend=backend)[0].astype(jnp.float32) * do)
 
   fwd_bwd = jax.jit(jax.grad(loss, argnums=range(5)))
-  out = []
-  for fn in (fwd, fwd_bwd):
-    jax.block_until_ready(fn(*arrays))
+  return [median_call_ms(fn, *arrays, reps=reps) for fn in (fwd, fwd_bwd)]
 
-    def loop():
-      start = time.perf_counter()
-      for _ in range(reps):
-        r = fn(*arrays)
-      jax.block_until_ready(r)
-      return (time.perf_counter() - start) / reps * 1e3
 
-    loop()
-    out.append(_median_ms(loop))
-  return out
+def median_call_ms(fn, *args, reps=10):
+  """ms per call of a jitted fn: warm-up, then the median of 5 repeats of a `reps`-call loop."""
+  jax.block_until_ready(fn(*args))
+
+  def loop():
+    start = time.perf_counter()
+    for _ in range(reps):
+      r = fn(*args)
+    jax.block_until_ready(r)
+    return (time.perf_counter() - start) / reps * 1e3
+
+  loop()
+  return _median_ms(loop)
 
 
 def time_fla(np_inputs, reps=10):

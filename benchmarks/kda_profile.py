@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -23,25 +22,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.kda_kernel import median_call_ms  # noqa: E402
 from pallas_kernels.kda import intra as intra_lib  # noqa: E402
 from pallas_kernels.kda import pallas_gpu as pg  # noqa: E402
 
 C = 64
 F32 = jnp.float32
-
-
-def time_fn(fn, *args, reps=10):
-  jax.block_until_ready(fn(*args))
-
-  def loop():
-    start = time.perf_counter()
-    for _ in range(reps):
-      r = fn(*args)
-    jax.block_until_ready(r)
-    return (time.perf_counter() - start) / reps * 1e3
-
-  loop()
-  return statistics.median(loop() for _ in range(5))
 
 
 def profile(b, t, h, lines, variants, intra_variants, interpret=False):
@@ -60,7 +46,7 @@ def profile(b, t, h, lines, variants, intra_variants, interpret=False):
 
   def rec(name, fn, *args):
     try:
-      ms = time_fn(jax.jit(fn), *args)
+      ms = median_call_ms(jax.jit(fn), *args)
       lines.append(f"{b}x{t}x{h} {name:34s} {ms:8.3f} ms")
     except Exception:
       lines.append(f"{b}x{t}x{h} {name} FAILED: {traceback.format_exc()[-1200:]}")

@@ -94,6 +94,13 @@ def wy_inverse(n, mm_dtype):
   return lax.fori_loop(0, len(levels(c)), join, eye)
 
 
+def _k_block(q_ref, k_ref, gam_ref, kb, bk: int, scale: float):
+  """Columns kb·bk … of one chunk: (the slice, scaled q, k, Γ), each [C, bk] fp32."""
+  cols = pl.ds(kb * bk, bk)
+  return (cols, q_ref[:, cols].astype(F32) * scale, k_ref[:, cols].astype(F32),
+          gam_ref[:, cols])
+
+
 def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
                      aqk_ref, w_ref, u_ref, qg_ref, kt_ref, *saved_refs, scale, bk, mm_dtype):
   """One chunk of one (batch, head): A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K, and when `saved_refs` are
@@ -111,10 +118,7 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   n_lev = len(levels(c))
 
   def score_block(kb, carry):
-    cols = pl.ds(kb * bk, bk)
-    q = q_ref[:, cols].astype(F32) * scale
-    k = k_ref[:, cols].astype(F32)
-    gam = gam_ref[:, cols]
+    cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
 
     def level(i, acc):
       a_qk, a_kk = acc
@@ -141,10 +145,7 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   cnt_last = cnt_ref[pl.ds(c - 1, 1), :]
   in_last = cnt == cnt_last
   def out_block(kb, _):
-    cols = pl.ds(kb * bk, bk)
-    q = q_ref[:, cols].astype(F32) * scale
-    k = k_ref[:, cols].astype(F32)
-    gam = gam_ref[:, cols]
+    cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
     decay = jnp.exp(gam)
     kg = jnp.where(sees, k * decay, 0.0)
     w_ref[:, cols] = mm(inv_mm, beta * kg, mm_dtype).astype(w_ref.dtype)
@@ -209,10 +210,7 @@ def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, 
   n_lev = len(levels(c))
 
   def grad_block(kb, _):
-    cols = pl.ds(kb * bk, bk)
-    q = q_ref[:, cols].astype(F32) * scale
-    k = k_ref[:, cols].astype(F32)
-    gam = gam_ref[:, cols]
+    cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
 
     # Score gradients: dq_a (row side of A_qk), dk_row (row side of A_kk), dk_col (column sides).
     def level(i, acc):
