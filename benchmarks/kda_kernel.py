@@ -7,7 +7,9 @@ pallas_gpu variants (pallas_gpu.py): "fused" (sequential kernels compute everyth
 the default) or "split" (sequential kernels only carry the state; output / local backward terms in
 chunk-parallel kernels), with options joined by "-": bv<N> (V-block of the sequential kernels,
 default 32), w<N> (their num_warps, default 4), nohoist (split backward keeps Qgᵀ dO in the loop),
-ibk<N> / iw<N> (K-block and num_warps of the intra-chunk kernels, defaults 64 / 8).
+columns / levels / strips (the forward intra kernel, pallas_gpu.INTRA_FWD), cw<N> / sw<N> (num_warps
+of the columns / strips score kernel), ibk<N> / iw<N> (K-block and num_warps of the levels
+kernels, the strips WY kernel and the backward).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
 1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
@@ -69,8 +71,10 @@ def parse_variant(name):
     raise ValueError(f"variant {name!r}: must start with 'fused' or 'split'")
   kw = dict(split=head == "split")
   for opt in opts:
-    if opt in ("levels", "columns"):
+    if opt in pallas_gpu.INTRA_FWDS:
       kw["intra_fwd"] = opt
+    elif opt.startswith("sw") and opt[2:].isdigit():
+      kw["strip_warps"] = int(opt[2:])
     elif opt.startswith("cw") and opt[2:].isdigit():
       kw["columns_warps"] = int(opt[2:])
     elif opt.startswith("ibk") and opt[3:].isdigit():
@@ -84,7 +88,8 @@ def parse_variant(name):
     elif opt == "nohoist" and head == "split":
       kw["hoist_qdo"] = False
     else:
-      raise ValueError(f"variant {name!r}: unknown option {opt!r} (bv<N>, w<N>, nohoist, ibk<N>, iw<N>)")
+      raise ValueError(f"variant {name!r}: unknown option {opt!r} (bv<N>, w<N>, nohoist, "
+                       "columns|levels|strips, cw<N>, sw<N>, ibk<N>, iw<N>)")
   with pallas_gpu.configured(**kw):   # validates bv / warps before anything runs
     pass
   return kw

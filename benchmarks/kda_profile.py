@@ -99,7 +99,7 @@ def main():
   ap.add_argument("--shapes", default="2x8192x16")
   ap.add_argument("--variants", default="fused,split")
   ap.add_argument("--intra-variants", default="default",
-                  help="comma list of 'default' or '-'-joined levels|columns, cw<N>, bk<N>w<M>")
+                  help="comma list of 'default' or '-'-joined columns|levels|strips, cw<N>, sw<N>, bk<N>w<M>")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
   a = ap.parse_args()
   variants = []
@@ -113,10 +113,12 @@ def main():
     else:
       kw = {}
       for opt in v.split("-"):
-        if opt in ("levels", "columns"):
+        if opt in pg.INTRA_FWDS:
           kw["intra_fwd"] = opt
         elif opt.startswith("cw"):
           kw["columns_warps"] = int(opt[2:])
+        elif opt.startswith("sw"):
+          kw["strip_warps"] = int(opt[2:])
         else:
           bk, warps = opt[2:].split("w")
           kw.update(intra_bk=int(bk), intra_warps=int(warps))

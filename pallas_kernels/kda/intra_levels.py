@@ -138,12 +138,27 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
                                    (zeros_cc, zeros_cc, jnp.zeros((c, 1), F32)))
   a_qk = jnp.where(same & (col <= row), jnp.where(row == col, diag, a_qk), 0.0)
   a_kk = jnp.where(same & (col < row), a_kk, 0.0)
+  inv = _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, qg_ref,
+                  kt_ref, scale=scale, bk=bk, mm_dtype=mm_dtype)
+  aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
+  if saved_refs:
+    saved_refs[0][...] = a_kk
+    saved_refs[1][...] = inv
+
+
+def _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, qg_ref, kt_ref, *,
+              scale, bk, mm_dtype):
+  """From the masked A_kk [C, C]: X = (I + Diag(β) A_kk)⁻¹, then W = X Diag(β) e^Γ⊙K (rows that
+  see S₀), U = X Diag(β) V, e^Γ⊙Q and e^{Γ_C−Γ}⊙K (rows of the last segment) into their refs.
+  Returns X (fp32)."""
+  c, dk = q_ref.shape
+  dv = v_ref.shape[1]
+  cnt = cnt_ref[...]
   inv = wy_inverse(beta * a_kk, mm_dtype)
   inv_mm = inv.astype(mm_dtype)
-
   sees = cnt == 0.0
-  cnt_last = cnt_ref[pl.ds(c - 1, 1), :]
-  in_last = cnt == cnt_last
+  in_last = cnt == cnt_ref[pl.ds(c - 1, 1), :]
+
   def out_block(kb, _):
     cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
     decay = jnp.exp(gam)
@@ -158,10 +173,69 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   for vb in range(max(dv // bk, 1)):
     cols = pl.ds(vb * bk, min(bk, dv))
     u_ref[:, cols] = mm(inv_mm, beta * v_ref[:, cols].astype(F32), mm_dtype).astype(u_ref.dtype)
-  aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
-  if saved_refs:
-    saved_refs[0][...] = a_kk
-    saved_refs[1][...] = inv
+  return inv
+
+
+def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_ref,
+                        aqk_ref, akk_ref, *, strips, scale, bk, mm_dtype):
+  """Rows of A_qk and A_kk for one strip of `sub` rows of a chunk (the "strips" forward: one
+  small program per strip, as fla does, instead of one per chunk).
+
+  Pairs with s in an earlier strip factor through the strip's first row m (s < m ≤ r: both
+  factors ≤ 1), one dot per K-block; pairs inside the strip are built one column s at a time
+  with the exact pairwise exponent masked before exp. Refs: q, k, gam [sub, K] (the strip);
+  kc, gamc [C, K] (its whole chunk); cnt [sub, 1]; cntr [1, C]. Writes aqk (masked to s ≤ r in
+  one segment) and akk (s < r) [sub, C].
+  """
+  sub, dk = q_ref.shape
+  c = kc_ref.shape[0]
+  base = lax.rem(pl.program_id(1), strips) * sub         # first row of the strip in its chunk
+  row = base + _iota((sub, c), 0)
+  col = _iota((sub, c), 1)
+  local = _iota((sub, 1), 0)
+  before = _iota((c, 1), 0) < base
+
+  def k_block(kb, carry):
+    cols = pl.ds(kb * bk, bk)
+    q = q_ref[:, cols].astype(F32) * scale
+    k = k_ref[:, cols].astype(F32)
+    gam = gam_ref[:, cols]
+    ref = gamc_ref[pl.ds(base, 1), cols]                   # Γ of the strip's first row
+    e_row = jnp.exp(gam - ref)
+    gamc = gamc_ref[:, cols]
+    k_back = jnp.where(before, kc_ref[:, cols].astype(F32)
+                       * jnp.exp(jnp.where(before, ref - gamc, 0.0)), 0.0)
+    a_qk, a_kk = carry
+    a_qk = a_qk + mm_nt(q * e_row, k_back, mm_dtype)
+    a_kk = a_kk + mm_nt(k * e_row, k_back, mm_dtype)
+
+    def column(j, acc):
+      k_j = kc_ref[pl.ds(base + j, 1), cols].astype(F32)
+      gam_j = gamc_ref[pl.ds(base + j, 1), cols]
+      valid = local >= j
+      k_dec = jnp.where(valid, k_j * jnp.exp(jnp.where(valid, gam - gam_j, 0.0)), 0.0)
+      target = col == base + j
+      a_qk, a_kk = acc
+      return (jnp.where(target, a_qk + jnp.sum(q * k_dec, axis=1, keepdims=True), a_qk),
+              jnp.where(target, a_kk + jnp.sum(k * k_dec, axis=1, keepdims=True), a_kk))
+
+    return lax.fori_loop(0, sub, column, (a_qk, a_kk))
+
+  zeros = jnp.zeros((sub, c), F32)
+  a_qk, a_kk = lax.fori_loop(0, dk // bk, k_block, (zeros, zeros))
+  same = cnt_ref[...] == cntr_ref[...]
+  aqk_ref[...] = jnp.where(same & (col <= row), a_qk, 0.0).astype(aqk_ref.dtype)
+  akk_ref[...] = jnp.where(same & (col < row), a_kk, 0.0)
+
+
+def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
+              w_ref, u_ref, qg_ref, kt_ref, *inv_ref, scale, bk, mm_dtype):
+  """Second kernel of the "strips" forward, one chunk: `_write_wy` from the strips' A_kk
+  [C, C]; writes X too when `inv_ref` is given (training)."""
+  inv = _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta_ref[...].astype(F32), akk_ref[...],
+                  w_ref, u_ref, qg_ref, kt_ref, scale=scale, bk=bk, mm_dtype=mm_dtype)
+  if inv_ref:
+    inv_ref[0][...] = inv
 
 
 def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, akk_ref, inv_ref,

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import intra_levels, kernels
 
 F32 = jnp.float32
+INTRA_FWDS = ("columns", "levels", "strips")
 SUB = 16             # sub-chunk rows of the "columns" forward kernel
 
 # Module defaults of the state-pass variant (launcher keywords override them per call).
@@ -38,10 +39,11 @@ SPLIT = False        # fused sequential kernels (the measured variant); True: sp
 BLOCK_V = 32         # V-columns per sequential program (power of two >= 16)
 HOIST_QDO = True     # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V] buffer)
 STATE_WARPS = 4      # num_warps of the sequential kernels
-INTRA_FWD = "columns"  # forward intra-chunk kernel: "columns" (kernels.intra_kernel) or "levels"
+INTRA_FWD = "columns"  # forward intra-chunk kernel: "columns", "levels" or "strips" (see intra)
 INTRA_BK = 32        # K-columns per block inside the "levels" intra-chunk kernels
 INTRA_WARPS = 8      # num_warps of the "levels" intra-chunk kernels
 COLUMNS_WARPS = 8    # num_warps of the "columns" forward kernel
+STRIP_WARPS = 2      # num_warps of the "strips" score kernel (one 16-row strip per program)
 
 
 def _params(num_warps: int, num_stages: int = 2):
@@ -71,7 +73,8 @@ def block_v(dv: int, bv: int | None = None) -> int:
 def configured(*, split: bool | None = None, bv: int | None = None,
                hoist_qdo: bool | None = None, state_warps: int | None = None,
                intra_bk: int | None = None, intra_warps: int | None = None,
-               intra_fwd: str | None = None, columns_warps: int | None = None):
+               intra_fwd: str | None = None, columns_warps: int | None = None,
+               strip_warps: int | None = None):
   """Temporarily set the module defaults (None leaves one unchanged), e.g. to time variants.
 
   Jitted callers (op._kda_pallas_core) cache their traces without these settings in the key, so
@@ -79,16 +82,18 @@ def configured(*, split: bool | None = None, bv: int | None = None,
   inside the block.
   """
   global SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS
-  if intra_fwd not in (None, "columns", "levels"):
-    raise ValueError(f"kda pallas_gpu: intra_fwd must be 'columns' or 'levels', got {intra_fwd!r}")
+  global STRIP_WARPS
+  if intra_fwd not in (None,) + INTRA_FWDS:
+    raise ValueError(f"kda pallas_gpu: intra_fwd must be one of {INTRA_FWDS}, got {intra_fwd!r}")
   if bv is not None:
     _check_bv(bv)
   if intra_bk is not None:
     _check_bv(intra_bk)
-  for warps in (state_warps, intra_warps, columns_warps):
+  for warps in (state_warps, intra_warps, columns_warps, strip_warps):
     if warps is not None:
       _check_warps(warps)
-  saved = SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS
+  saved = (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS,
+           STRIP_WARPS)
   jax.clear_caches()
   try:
     SPLIT = SPLIT if split is None else bool(split)
@@ -99,10 +104,11 @@ def configured(*, split: bool | None = None, bv: int | None = None,
     INTRA_WARPS = INTRA_WARPS if intra_warps is None else intra_warps
     INTRA_FWD = INTRA_FWD if intra_fwd is None else intra_fwd
     COLUMNS_WARPS = COLUMNS_WARPS if columns_warps is None else columns_warps
+    STRIP_WARPS = STRIP_WARPS if strip_warps is None else strip_warps
     yield
   finally:
-    (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD,
-     COLUMNS_WARPS) = saved
+    (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS,
+     STRIP_WARPS) = saved
     jax.clear_caches()
 
 
@@ -120,11 +126,17 @@ def _intra_bk(dk: int, dtype) -> int:
 
 
 def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
-  """Intra-chunk kernel over grid (B, N, H): INTRA_FWD = "columns" (kernels.intra_kernel: the
-  diagonal sub-chunk blocks one column at a time, WY inverse row by row) or "levels"
-  (intra_levels.intra_fwd_kernel: dots only). Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K],
-  u [B,T,H,V] in q's dtype (the dots' operand dtype), then, when `save` (training), akk, inv
-  [B,T,H,C] fp32 for the backward (else None, None)."""
+  """Intra-chunk forward over the chunks, by INTRA_FWD:
+  "columns": kernels.intra_kernel, one program per chunk (diagonal sub-chunk blocks one column at
+             a time, WY inverse row by row);
+  "levels":  intra_levels.intra_fwd_kernel, one program per chunk, dots only;
+  "strips":  intra_levels.strip_scores_kernel, one program per 16-row strip, then
+             intra_levels.wy_kernel per chunk (block-doubling inverse, W, U).
+  Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V] in q's dtype (the dots' operand dtype),
+  then, when `save` (training), akk, inv [B,T,H,C] fp32 for the backward (else None, None)."""
+  if INTRA_FWD == "strips":
+    return _intra_strips(q, k, v, gam, beta, cnt, scale=scale, chunk=chunk, interpret=interpret,
+                         save=save)
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
@@ -143,13 +155,63 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
     out_specs += [tok(chunk), tok(chunk)]
   outs = pl.pallas_call(
       kernel, grid=(b, n, h),
-      in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
-                pl.BlockSpec((None, chunk, 1), lambda ib, ic, ih: (ib, ic, 0)),
-                pl.BlockSpec((None, None, 1, chunk), lambda ib, ic, ih: (ib, ic, 0, 0))],
+      in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), _cnt_row(chunk)],
       out_specs=out_specs, out_shape=shapes, interpret=interpret,
       compiler_params=None if interpret else _params(COLUMNS_WARPS if columns else INTRA_WARPS, 1),
   )(q, k, v, gam, beta[..., None], cnt[..., None], cnt.reshape(b, n, 1, chunk))
   return tuple(outs) if save else tuple(outs[:5]) + (None, None)
+
+
+def _cnt_col(rows):
+  """cnt [B, T, 1] rows of one block of `rows` tokens (grid (B, blocks, H))."""
+  return pl.BlockSpec((None, rows, 1), lambda ib, ic, ih: (ib, ic, 0))
+
+
+def _cnt_row(chunk, strips=1):
+  """cnt as a [1, C] row of the block's chunk, from cnt.reshape(B, N, 1, C)."""
+  return pl.BlockSpec((None, None, 1, chunk), lambda ib, ic, ih: (ib, ic // strips, 0, 0))
+
+
+def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
+  """The "strips" forward: scores per 16-row strip (grid B × N·C/16 × H), then the WY kernel per
+  chunk (grid B × N × H). Same outputs as `intra`."""
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  n = t // chunk
+  st = q.dtype
+  sub = min(SUB, chunk)
+  strips = chunk // sub
+  bk = _intra_bk(dk, st)
+  strip = lambda d: pl.BlockSpec((None, sub, None, d), lambda ib, ip, ih: (ib, ip, ih, 0))
+  whole = lambda d: pl.BlockSpec((None, chunk, None, d),
+                                 lambda ib, ip, ih: (ib, ip // strips, ih, 0))
+  cnt_row = cnt.reshape(b, n, 1, chunk)
+  aqk, akk = pl.pallas_call(
+      functools.partial(intra_levels.strip_scores_kernel, strips=strips, scale=scale, bk=bk,
+                        mm_dtype=st),
+      grid=(b, n * strips, h),
+      in_specs=[strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), _cnt_col(sub),
+                _cnt_row(chunk, strips)],
+      out_specs=[strip(chunk), strip(chunk)],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
+                 jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
+      interpret=interpret, compiler_params=None if interpret else _params(STRIP_WARPS, 1),
+  )(q, k, gam, k, gam, cnt[..., None], cnt_row)
+  tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
+  shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]
+  out_specs = [tok(dk), tok(dv), tok(dk), tok(dk)]
+  if save:
+    shapes.append(jax.ShapeDtypeStruct((b, t, h, chunk), F32))
+    out_specs.append(tok(chunk))
+  outs = pl.pallas_call(
+      functools.partial(intra_levels.wy_kernel, scale=scale, bk=bk, mm_dtype=st),
+      grid=(b, n, h),
+      in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), tok(chunk)],
+      out_specs=out_specs, out_shape=shapes, interpret=interpret,
+      compiler_params=None if interpret else _params(INTRA_WARPS, 1),
+  )(q, k, v, gam, beta[..., None], cnt[..., None], akk)
+  w, u, qg, kt = outs[:4]
+  return (aqk, w, u, qg, kt) + ((akk, outs[4]) if save else (None, None))
 
 
 def _seq(t, d):

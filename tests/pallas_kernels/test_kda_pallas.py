@@ -29,6 +29,7 @@ VARIANTS = {
     "pallas_gpu_split": ("pallas_gpu", dict(split=True)),
     "pallas_gpu_split_bv64_nohoist": ("pallas_gpu", dict(split=True, bv=64, hoist_qdo=False)),
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64)),
+    "pallas_gpu_strips": ("pallas_gpu", dict(intra_fwd="strips")),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -85,7 +86,8 @@ def packed_results(variant, dtype_name):
   return outputs_and_grads(inputs, seg, variant)
 
 
-@pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist", "pallas_gpu_levels"))
+@pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist", "pallas_gpu_levels",
+                                     "pallas_gpu_strips"))
 def test_packed_fp32_matches_reference(backend):
   o_ref, s_ref, g_ref = packed_results("reference", "float32")
   o, s, grads = packed_results(backend, "float32")
@@ -169,15 +171,17 @@ def test_variant_bad_settings_raise(kw, match):
   assert pallas_gpu.BLOCK_V == 32 and pallas_gpu.STATE_WARPS == 4
 
 
-def test_intra_kernel_matches_jnp_definition():
-  # Kernel-level: the intra-chunk kernel's tensors equal intra.intra_all (same masks and maths).
-  from pallas_kernels.kda import pallas_gpu
+@pytest.mark.parametrize("intra_fwd", pallas_gpu.INTRA_FWDS)
+def test_intra_kernel_matches_jnp_definition(intra_fwd):
+  # Kernel-level: each forward intra-chunk kernel's tensors equal intra.intra_all (same masks and
+  # maths), here with a reset inside the second 16-row strip of a 32-token chunk.
   q, k, v, g, beta, _ = make_inputs(22, b=1, t=64, h=1, dk=16, dv=16, dtype=jnp.float32)
   reset = jnp.zeros((1, 64), bool).at[0, 23].set(True)
   cnt = intra_lib.reset_counts(reset, 32)
   want = intra_lib.intra_all(q, k, v, g, beta, cnt, scale=0.25, chunk=32)
-  got = pallas_gpu.intra(q, k, v, intra_lib.chunk_cumsum(g, 32), beta, cnt, scale=0.25, chunk=32,
-                         interpret=True)
+  with pallas_gpu.configured(intra_fwd=intra_fwd):
+    got = pallas_gpu.intra(q, k, v, intra_lib.chunk_cumsum(g, 32), beta, cnt, scale=0.25,
+                           chunk=32, interpret=True)
   for name, x, y in zip(("aqk", "w", "u", "qg", "kt"), got, want):
     assert max_err(x, y) <= 1e-5, name
 
