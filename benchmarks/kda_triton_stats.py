@@ -40,6 +40,7 @@ def _warps(kernel_name: str) -> int:
   """num_warps each launcher in pallas_gpu.py passes for this kernel body."""
   return {"intra_kernel": pallas_gpu.COLUMNS_WARPS, "intra_fwd_kernel": pallas_gpu.INTRA_WARPS,
           "strip_scores_kernel": pallas_gpu.STRIP_WARPS, "wy_kernel": pallas_gpu.INTRA_WARPS,
+          "wy_bwd_kernel": pallas_gpu.INTRA_WARPS, "score_bwd_kernel": pallas_gpu.INTRA_WARPS,
           "intra_bwd_kernel": pallas_gpu.INTRA_WARPS, "chunk_bwd_kernel": 8,
           "out_kernel": 4, "bwd_local_kernel": 4}.get(kernel_name, pallas_gpu.STATE_WARPS)
 

@@ -246,19 +246,47 @@ def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, 
   Inputs as the forward plus its akk/inv/w/u, the cotangents of aqk, w, u, qg, kt, and
   ddl [1, K] = dd ⊙ d (the state decay d = e^{Γ_C} and its cotangent), which joins dΓ's last row.
   Outputs: dq (wrt the unscaled q), dk [C, K], dv [C, V] (their refs' dtypes), dbeta [C, 1] fp32,
-  dg [C, K] fp32 = Σ_{r' ≥ r in the chunk} dΓ_{r'}.
+  dg [C, K] fp32 = Σ_{r' ≥ r in the chunk} dΓ_{r'}. `_wy_bwd`, then `_score_grads`.
   """
-  c, dk = q_ref.shape
+  beta = beta_ref[...].astype(F32)
+  inv = inv_ref[...]
+  dakk = _wy_bwd(k_ref, v_ref, gam_ref, cnt_ref, cntr_ref, beta, akk_ref, inv, w_ref, u_ref,
+                 dw_ref, du_ref, dv_ref, dbeta_ref, bk=bk, mm_dtype=mm_dtype)
+  _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta, inv, daqk_ref, dakk, dw_ref,
+               dqg_ref, dkt_ref, ddl_ref, dq_ref, dk_ref, dg_ref, scale=scale, bk=bk,
+               mm_dtype=mm_dtype)
+
+
+def wy_bwd_kernel(k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, akk_ref, inv_ref, w_ref,
+                  u_ref, dw_ref, du_ref, dv_ref, dbeta_ref, dakk_ref, *, bk, mm_dtype):
+  """First kernel of the K-block-parallel backward, one chunk: `_wy_bwd`, writing dv, dbeta and
+  dA_kk [C, C] fp32 (masked) for `score_bwd_kernel`."""
+  dakk_ref[...] = _wy_bwd(k_ref, v_ref, gam_ref, cnt_ref, cntr_ref, beta_ref[...].astype(F32),
+                          akk_ref, inv_ref[...], w_ref, u_ref, dw_ref, du_ref, dv_ref, dbeta_ref,
+                          bk=bk, mm_dtype=mm_dtype)
+
+
+def score_bwd_kernel(q_ref, k_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, inv_ref, daqk_ref,
+                     dakk_ref, dw_ref, dqg_ref, dkt_ref, ddl_ref, dq_ref, dk_ref, dg_ref, *,
+                     scale, mm_dtype):
+  """Second kernel of the K-block-parallel backward: `_score_grads` for one chunk and one block
+  of K columns (the per-column gradients need nothing from other columns once dA is known).
+  Refs q, k, gam, dw, dqg, dkt, outputs [C, bk]; ddl [1, bk]; inv, daqk, dakk [C, C]."""
+  _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta_ref[...].astype(F32), inv_ref[...],
+               daqk_ref, dakk_ref[...], dw_ref, dqg_ref, dkt_ref, ddl_ref, dq_ref, dk_ref, dg_ref,
+               scale=scale, bk=q_ref.shape[1], mm_dtype=mm_dtype)
+
+
+def _wy_bwd(k_ref, v_ref, gam_ref, cnt_ref, cntr_ref, beta, akk_ref, inv, w_ref, u_ref, dw_ref,
+            du_ref, dv_ref, dbeta_ref, *, bk, mm_dtype):
+  """WY backward of one chunk, streamed over column blocks: Y = X R, R = Diag(β)[kg | v],
+  X = (I + N)⁻¹, N = Diag(β) A_kk: dR = Xᵀ dY, dN = −dR Yᵀ. Writes dv and dbeta; returns
+  dA_kk = β ⊙ dN masked to s < r in one segment, [C, C] fp32."""
+  c, dk = k_ref.shape
   dv = v_ref.shape[1]
   row, col = _iota((c, c), 0), _iota((c, c), 1)
   cnt = cnt_ref[...]
-  same = cnt == cntr_ref[...]
-  beta = beta_ref[...].astype(F32)
   sees = cnt == 0.0
-  in_last = cnt == cnt_ref[pl.ds(c - 1, 1), :]
-  inv = inv_ref[...]
-
-  # WY backward, streamed over column blocks: Y = X R, R = Diag(β)[kg | v], X = (I + N)⁻¹.
   dn = jnp.zeros((c, c), F32)
   dbeta = jnp.zeros((c, 1), F32)
   for vb in range(max(dv // bk, 1)):
@@ -273,14 +301,25 @@ def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, 
     dn = dn - mm_nt(dr_k, w_ref[:, cols], mm_dtype)
     kg = jnp.where(sees, k_ref[:, cols].astype(F32) * jnp.exp(gam_ref[:, cols]), 0.0)
     dbeta = dbeta + jnp.sum(dr_k * kg, axis=1, keepdims=True)
-  dn = jnp.where(same & (col < row), dn, 0.0)
+  dn = jnp.where((cnt == cntr_ref[...]) & (col < row), dn, 0.0)
   dbeta_ref[...] = dbeta + jnp.sum(dn * akk_ref[...], axis=1, keepdims=True)
-  dakk = beta * dn
-  daqk = jnp.where(same & (col <= row), daqk_ref[...].astype(F32), 0.0)
+  return beta * dn
+
+
+def _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta, inv, daqk_ref, dakk, dw_ref,
+                 dqg_ref, dkt_ref, ddl_ref, dq_ref, dk_ref, dg_ref, *, scale, bk, mm_dtype):
+  """Everything after the WY backward, per block of `bk` columns of the refs: the score
+  gradients by level, the elementwise decays, and dg (reverse in-chunk cumsum of dΓ as one precise
+  dot, with the state-decay cotangent on the last row). dakk: masked dA_kk [C, C]."""
+  c, width = q_ref.shape
+  row, col = _iota((c, c), 0), _iota((c, c), 1)
+  cnt = cnt_ref[...]
+  sees = cnt == 0.0
+  in_last = cnt == cnt_ref[pl.ds(c - 1, 1), :]
+  daqk = jnp.where((cnt == cntr_ref[...]) & (col <= row), daqk_ref[...].astype(F32), 0.0)
   d_diag = jnp.sum(jnp.where(row == col, daqk, 0.0), axis=1, keepdims=True)       # [C, 1]
   tri_up = (col >= row).astype(F32)                 # dg = tri_up @ dΓ (reverse in-chunk cumsum)
   last_row = _iota((c, 1), 0) == c - 1
-
   n_lev = len(levels(c))
 
   def grad_block(kb, _):
@@ -318,4 +357,4 @@ def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, 
     dg_ref[:, cols] = mm_precise(tri_up, dgam, mm_dtype).astype(dg_ref.dtype)
     return _
 
-  lax.fori_loop(0, dk // bk, grad_block, 0)
+  lax.fori_loop(0, width // bk, grad_block, 0)

@@ -32,6 +32,7 @@ from pallas_kernels.kda import intra_levels, kernels
 
 F32 = jnp.float32
 INTRA_FWDS = ("columns", "levels", "strips")
+INTRA_BWDS = ("chunk", "kblocks")
 SUB = 16             # sub-chunk rows of the "columns" forward kernel
 
 # Module defaults of the state-pass variant (launcher keywords override them per call).
@@ -44,6 +45,8 @@ INTRA_BK = 32        # K-columns per block inside the "levels" intra-chunk kerne
 INTRA_WARPS = 8      # num_warps of the "levels" intra-chunk kernels
 COLUMNS_WARPS = 8    # num_warps of the "columns" forward kernel
 STRIP_WARPS = 2      # num_warps of the "strips" score kernel (one 16-row strip per program)
+INTRA_BWD = "chunk"  # backward intra kernel: "chunk" (one program per chunk) or "kblocks" (a WY
+                     # kernel per chunk, then one score-gradient program per chunk and K-block)
 
 
 def _params(num_warps: int, num_stages: int = 2):
@@ -74,7 +77,7 @@ def configured(*, split: bool | None = None, bv: int | None = None,
                hoist_qdo: bool | None = None, state_warps: int | None = None,
                intra_bk: int | None = None, intra_warps: int | None = None,
                intra_fwd: str | None = None, columns_warps: int | None = None,
-               strip_warps: int | None = None):
+               strip_warps: int | None = None, intra_bwd: str | None = None):
   """Temporarily set the module defaults (None leaves one unchanged), e.g. to time variants.
 
   Jitted callers (op._kda_pallas_core) cache their traces without these settings in the key, so
@@ -82,7 +85,9 @@ def configured(*, split: bool | None = None, bv: int | None = None,
   inside the block.
   """
   global SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS
-  global STRIP_WARPS
+  global STRIP_WARPS, INTRA_BWD
+  if intra_bwd not in (None,) + INTRA_BWDS:
+    raise ValueError(f"kda pallas_gpu: intra_bwd must be one of {INTRA_BWDS}, got {intra_bwd!r}")
   if intra_fwd not in (None,) + INTRA_FWDS:
     raise ValueError(f"kda pallas_gpu: intra_fwd must be one of {INTRA_FWDS}, got {intra_fwd!r}")
   if bv is not None:
@@ -93,7 +98,7 @@ def configured(*, split: bool | None = None, bv: int | None = None,
     if warps is not None:
       _check_warps(warps)
   saved = (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS,
-           STRIP_WARPS)
+           STRIP_WARPS, INTRA_BWD)
   jax.clear_caches()
   try:
     SPLIT = SPLIT if split is None else bool(split)
@@ -105,10 +110,11 @@ def configured(*, split: bool | None = None, bv: int | None = None,
     INTRA_FWD = INTRA_FWD if intra_fwd is None else intra_fwd
     COLUMNS_WARPS = COLUMNS_WARPS if columns_warps is None else columns_warps
     STRIP_WARPS = STRIP_WARPS if strip_warps is None else strip_warps
+    INTRA_BWD = INTRA_BWD if intra_bwd is None else intra_bwd
     yield
   finally:
     (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS,
-     STRIP_WARPS) = saved
+     STRIP_WARPS, INTRA_BWD) = saved
     jax.clear_caches()
 
 
@@ -480,30 +486,61 @@ def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):
 
 def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, dd, d, *, scale,
               chunk, interpret):
-  """Intra-chunk backward (intra_levels.intra_bwd_kernel) over grid (B, N, H), ending at dg.
-  dd, d [B,N,H,K,1]: the state decay's cotangent and value. Returns dq, dk [B,T,H,K], dv
-  [B,T,H,V] in q's dtype, dbeta [B,T,H,1] fp32 and dg [B,T,H,K] fp32."""
+  """Intra-chunk backward, ending at dg: INTRA_BWD = "chunk" (intra_levels.intra_bwd_kernel over
+  grid (B, N, H)) or "kblocks" (intra_levels.wy_bwd_kernel per chunk, then
+  intra_levels.score_bwd_kernel over grid (B, N·K/bk, H)). dd, d [B,N,H,K,1]: the state decay's
+  cotangent and value. Returns dq, dk [B,T,H,K], dv [B,T,H,V] in q's dtype, dbeta [B,T,H,1]
+  fp32 and dg [B,T,H,K] fp32."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
+  bk = _intra_bk(dk, q.dtype)
   tok = lambda d_: pl.BlockSpec((None, chunk, None, d_), lambda ib, ic, ih: (ib, ic, ih, 0))
-  row_k = pl.BlockSpec((None, None, None, 1, dk), lambda ib, ic, ih: (ib, ic, ih, 0, 0))
-  kernel = functools.partial(intra_levels.intra_bwd_kernel, scale=scale, bk=_intra_bk(dk, q.dtype),
-                             mm_dtype=q.dtype)
   ddl = (dd * d).reshape(b, n, h, 1, dk)                    # [K, 1] and [1, K]: same memory order
-  return pl.pallas_call(
-      kernel, grid=(b, n, h),
-      in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
-                pl.BlockSpec((None, chunk, 1), lambda ib, ic, ih: (ib, ic, 0)),
-                pl.BlockSpec((None, None, 1, chunk), lambda ib, ic, ih: (ib, ic, 0, 0)),
-                tok(chunk), tok(chunk), tok(dk), tok(dv),
-                tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk), row_k],
-      out_specs=[tok(dk), tok(dk), tok(dv), tok(1), tok(dk)],
-      out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), q.dtype),
-                 jax.ShapeDtypeStruct((b, t, h, dk), q.dtype),
-                 jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
-                 jax.ShapeDtypeStruct((b, t, h, 1), F32),
-                 jax.ShapeDtypeStruct((b, t, h, dk), F32)],
-      interpret=interpret, compiler_params=None if interpret else _params(INTRA_WARPS, 1),
-  )(q, k, v, gam, beta[..., None], cnt[..., None], cnt.reshape(b, n, 1, chunk), akk, inv, w, u,
-    daqk, dw, du, dqg, dkt, ddl)
+  cnt_row = cnt.reshape(b, n, 1, chunk)
+  params = None if interpret else _params(INTRA_WARPS, 1)
+  k_shapes = [jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)] * 2
+  grad_shapes = [jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, t, h, 1), F32)]
+  if INTRA_BWD == "chunk":
+    row_k = pl.BlockSpec((None, None, None, 1, dk), lambda ib, ic, ih: (ib, ic, ih, 0, 0))
+    dq, dk_, dv_, dbeta, dg = pl.pallas_call(
+        functools.partial(intra_levels.intra_bwd_kernel, scale=scale, bk=bk, mm_dtype=q.dtype),
+        grid=(b, n, h),
+        in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), _cnt_row(chunk),
+                  tok(chunk), tok(chunk), tok(dk), tok(dv),
+                  tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk), row_k],
+        out_specs=[tok(dk), tok(dk), tok(dv), tok(1), tok(dk)],
+        out_shape=k_shapes + grad_shapes + [jax.ShapeDtypeStruct((b, t, h, dk), F32)],
+        interpret=interpret, compiler_params=params,
+    )(q, k, v, gam, beta[..., None], cnt[..., None], cnt_row, akk, inv, w, u,
+      daqk, dw, du, dqg, dkt, ddl)
+    return dq, dk_, dv_, dbeta, dg
+  dv_, dbeta, dakk = pl.pallas_call(
+      functools.partial(intra_levels.wy_bwd_kernel, bk=bk, mm_dtype=q.dtype),
+      grid=(b, n, h),
+      in_specs=[tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), _cnt_row(chunk), tok(chunk),
+                tok(chunk), tok(dk), tok(dv), tok(dk), tok(dv)],
+      out_specs=[tok(dv), tok(1), tok(chunk)],
+      out_shape=grad_shapes + [jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
+      interpret=interpret, compiler_params=params,
+  )(k, v, gam, beta[..., None], cnt[..., None], cnt_row, akk, inv, w, u, dw, du)
+  nkb = dk // bk
+  kblk = lambda: pl.BlockSpec((None, chunk, None, bk),
+                              lambda ib, ip, ih: (ib, ip // nkb, ih, ip % nkb))
+  whole = lambda d_: pl.BlockSpec((None, chunk, None, d_),
+                                  lambda ib, ip, ih: (ib, ip // nkb, ih, 0))
+  dq, dk_, dg = pl.pallas_call(
+      functools.partial(intra_levels.score_bwd_kernel, scale=scale, mm_dtype=q.dtype),
+      grid=(b, n * nkb, h),
+      in_specs=[kblk(), kblk(), kblk(), whole(1),
+                pl.BlockSpec((None, chunk, 1), lambda ib, ip, ih: (ib, ip // nkb, 0)),
+                _cnt_row(chunk, nkb), whole(chunk), whole(chunk), whole(chunk),
+                kblk(), kblk(), kblk(),
+                pl.BlockSpec((None, None, None, 1, bk),
+                             lambda ib, ip, ih: (ib, ip // nkb, ih, 0, ip % nkb))],
+      out_specs=[kblk(), kblk(), kblk()],
+      out_shape=k_shapes + [jax.ShapeDtypeStruct((b, t, h, dk), F32)],
+      interpret=interpret, compiler_params=params,
+  )(q, k, gam, beta[..., None], cnt[..., None], cnt_row, inv, daqk, dakk, dw, dqg, dkt, ddl)
+  return dq, dk_, dv_, dbeta, dg
