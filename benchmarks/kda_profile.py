@@ -99,7 +99,7 @@ def main():
   ap.add_argument("--shapes", default="2x8192x16")
   ap.add_argument("--variants", default="fused,split")
   ap.add_argument("--intra-variants", default="default",
-                  help="comma list of 'default' or '-'-joined columns|levels|strips, cw<N>, sw<N>, bk<N>w<M>")
+                  help="comma list of 'default' or '-'-joined columns|levels|strips, cw<N>, sw<N>, bk<N>w<M>, tf32, kblocks")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
   a = ap.parse_args()
   variants = []
@@ -119,6 +119,10 @@ def main():
           kw["columns_warps"] = int(opt[2:])
         elif opt.startswith("sw"):
           kw["strip_warps"] = int(opt[2:])
+        elif opt == "tf32":
+          kw["wy_dots"] = "tf32"
+        elif opt == "kblocks":
+          kw["intra_bwd"] = "kblocks"
         else:
           bk, warps = opt[2:].split("w")
           kw.update(intra_bk=int(bk), intra_warps=int(warps))

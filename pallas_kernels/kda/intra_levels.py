@@ -67,13 +67,23 @@ def _split(x):
   return hi, (x - hi.astype(F32)).astype(BF16)
 
 
-def mm_precise(a, b, mm_dtype):
-  """a [M, D] @ b [D, N] to about fp32 accuracy: IEEE fp32 dots for fp32 inputs, else three bf16
-  tensor-core dots of a hi/lo split (a_hi b_hi + a_hi b_lo + a_lo b_hi)."""
+def mm_precise(a, b, mm_dtype, *, mode: str = "bf16x3", a_exact: bool = False):
+  """a [M, D] @ b [D, N] to about fp32 accuracy: IEEE fp32 dots for fp32 inputs; else
+  mode "bf16x3", three bf16 tensor-core dots of a hi/lo split (a_hi b_hi + a_hi b_lo + a_lo b_hi;
+  two when `a_exact`: a is exactly representable in bf16, e.g. a 0/1 matrix), or mode "tf32",
+  one TF32 tensor-core dot (10-bit mantissas; on CPU, interpret mode, it is plain fp32)."""
   if jnp.dtype(mm_dtype) == F32:
     return mm(a, b, F32)
-  a_hi, a_lo = _split(a.astype(F32))
+  if mode == "tf32":
+    return lax.dot_general(a.astype(F32), b.astype(F32), (((1,), (0,)), ((), ())),
+                           precision=lax.Precision.DEFAULT, preferred_element_type=F32)
+  if mode != "bf16x3":
+    raise ValueError(f"mm_precise: mode must be 'bf16x3' or 'tf32', got {mode!r}")
   b_hi, b_lo = _split(b.astype(F32))
+  if a_exact:
+    a_hi = a.astype(BF16)
+    return mm(a_hi, b_hi, BF16) + mm(a_hi, b_lo, BF16)
+  a_hi, a_lo = _split(a.astype(F32))
   return mm(a_hi, b_hi, BF16) + (mm(a_hi, b_lo, BF16) + mm(a_lo, b_hi, BF16))
 
 
@@ -82,13 +92,14 @@ def _half(i):
   return lax.shift_left(jnp.int32(1), i)
 
 
-def wy_inverse(n, mm_dtype):
-  """(I + N)⁻¹ for N [C, C] strictly lower, by block doubling (module docstring)."""
+def wy_inverse(n, mm_dtype, mode: str = "bf16x3"):
+  """(I + N)⁻¹ for N [C, C] strictly lower, by block doubling (module docstring); `mode`: the
+  precise dots' ("bf16x3" or "tf32", see mm_precise)."""
   c = n.shape[0]
 
   def join(i, x):
     n_l = jnp.where(level_mask(c, _half(i)), n, 0.0)
-    return x - mm_precise(mm_precise(x, n_l, mm_dtype), x, mm_dtype)
+    return x - mm_precise(mm_precise(x, n_l, mm_dtype, mode=mode), x, mm_dtype, mode=mode)
 
   eye = (_iota((c, c), 0) == _iota((c, c), 1)).astype(F32)
   return lax.fori_loop(0, len(levels(c)), join, eye)
@@ -102,7 +113,8 @@ def _k_block(q_ref, k_ref, gam_ref, kb, bk: int, scale: float):
 
 
 def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
-                     aqk_ref, w_ref, u_ref, qg_ref, kt_ref, *saved_refs, scale, bk, mm_dtype):
+                     aqk_ref, w_ref, u_ref, qg_ref, kt_ref, *saved_refs, scale, bk, mm_dtype,
+                     wy_dots="bf16x3"):
   """One chunk of one (batch, head): A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K, and when `saved_refs` are
   given (training) also akk (masked A_kk) and inv ((I + Diag(β) A_kk)⁻¹), [C, C] fp32.
 
@@ -139,7 +151,7 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   a_qk = jnp.where(same & (col <= row), jnp.where(row == col, diag, a_qk), 0.0)
   a_kk = jnp.where(same & (col < row), a_kk, 0.0)
   inv = _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, qg_ref,
-                  kt_ref, scale=scale, bk=bk, mm_dtype=mm_dtype)
+                  kt_ref, scale=scale, bk=bk, mm_dtype=mm_dtype, wy_dots=wy_dots)
   aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
   if saved_refs:
     saved_refs[0][...] = a_kk
@@ -147,14 +159,14 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
 
 
 def _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, qg_ref, kt_ref, *,
-              scale, bk, mm_dtype):
+              scale, bk, mm_dtype, wy_dots):
   """From the masked A_kk [C, C]: X = (I + Diag(β) A_kk)⁻¹, then W = X Diag(β) e^Γ⊙K (rows that
   see S₀), U = X Diag(β) V, e^Γ⊙Q and e^{Γ_C−Γ}⊙K (rows of the last segment) into their refs.
   Returns X (fp32)."""
   c, dk = q_ref.shape
   dv = v_ref.shape[1]
   cnt = cnt_ref[...]
-  inv = wy_inverse(beta * a_kk, mm_dtype)
+  inv = wy_inverse(beta * a_kk, mm_dtype, wy_dots)
   inv_mm = inv.astype(mm_dtype)
   sees = cnt == 0.0
   in_last = cnt == cnt_ref[pl.ds(c - 1, 1), :]
@@ -229,11 +241,12 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
 
 
 def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
-              w_ref, u_ref, qg_ref, kt_ref, *inv_ref, scale, bk, mm_dtype):
+              w_ref, u_ref, qg_ref, kt_ref, *inv_ref, scale, bk, mm_dtype, wy_dots="bf16x3"):
   """Second kernel of the "strips" forward, one chunk: `_write_wy` from the strips' A_kk
   [C, C]; writes X too when `inv_ref` is given (training)."""
   inv = _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta_ref[...].astype(F32), akk_ref[...],
-                  w_ref, u_ref, qg_ref, kt_ref, scale=scale, bk=bk, mm_dtype=mm_dtype)
+                  w_ref, u_ref, qg_ref, kt_ref, scale=scale, bk=bk, mm_dtype=mm_dtype,
+                  wy_dots=wy_dots)
   if inv_ref:
     inv_ref[0][...] = inv
 
@@ -354,7 +367,7 @@ def _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta, inv, daqk_ref, 
                             + ddl_ref[:, cols], 0.0)
     dq_ref[:, cols] = (dq * scale).astype(dq_ref.dtype)
     dk_ref[:, cols] = dk_.astype(dk_ref.dtype)
-    dg_ref[:, cols] = mm_precise(tri_up, dgam, mm_dtype).astype(dg_ref.dtype)
+    dg_ref[:, cols] = mm_precise(tri_up, dgam, mm_dtype, a_exact=True).astype(dg_ref.dtype)
     return _
 
   lax.fori_loop(0, width // bk, grad_block, 0)

@@ -45,6 +45,7 @@ INTRA_BK = 32        # K-columns per block inside the "levels" intra-chunk kerne
 INTRA_WARPS = 8      # num_warps of the "levels" intra-chunk kernels
 COLUMNS_WARPS = 8    # num_warps of the "columns" forward kernel
 STRIP_WARPS = 2      # num_warps of the "strips" score kernel (one 16-row strip per program)
+WY_DOTS = "bf16x3"   # dots of the block-doubling WY inverse (levels / strips): "bf16x3" or "tf32"
 INTRA_BWD = "chunk"  # backward intra kernel: "chunk" (one program per chunk) or "kblocks" (a WY
                      # kernel per chunk, then one score-gradient program per chunk and K-block)
 
@@ -77,7 +78,8 @@ def configured(*, split: bool | None = None, bv: int | None = None,
                hoist_qdo: bool | None = None, state_warps: int | None = None,
                intra_bk: int | None = None, intra_warps: int | None = None,
                intra_fwd: str | None = None, columns_warps: int | None = None,
-               strip_warps: int | None = None, intra_bwd: str | None = None):
+               strip_warps: int | None = None, intra_bwd: str | None = None,
+               wy_dots: str | None = None):
   """Temporarily set the module defaults (None leaves one unchanged), e.g. to time variants.
 
   Jitted callers (op._kda_pallas_core) cache their traces without these settings in the key, so
@@ -85,7 +87,9 @@ def configured(*, split: bool | None = None, bv: int | None = None,
   inside the block.
   """
   global SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS
-  global STRIP_WARPS, INTRA_BWD
+  global STRIP_WARPS, INTRA_BWD, WY_DOTS
+  if wy_dots not in (None, "bf16x3", "tf32"):
+    raise ValueError(f"kda pallas_gpu: wy_dots must be 'bf16x3' or 'tf32', got {wy_dots!r}")
   if intra_bwd not in (None,) + INTRA_BWDS:
     raise ValueError(f"kda pallas_gpu: intra_bwd must be one of {INTRA_BWDS}, got {intra_bwd!r}")
   if intra_fwd not in (None,) + INTRA_FWDS:
@@ -98,7 +102,7 @@ def configured(*, split: bool | None = None, bv: int | None = None,
     if warps is not None:
       _check_warps(warps)
   saved = (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS,
-           STRIP_WARPS, INTRA_BWD)
+           STRIP_WARPS, INTRA_BWD, WY_DOTS)
   jax.clear_caches()
   try:
     SPLIT = SPLIT if split is None else bool(split)
@@ -111,10 +115,11 @@ def configured(*, split: bool | None = None, bv: int | None = None,
     COLUMNS_WARPS = COLUMNS_WARPS if columns_warps is None else columns_warps
     STRIP_WARPS = STRIP_WARPS if strip_warps is None else strip_warps
     INTRA_BWD = INTRA_BWD if intra_bwd is None else intra_bwd
+    WY_DOTS = WY_DOTS if wy_dots is None else wy_dots
     yield
   finally:
     (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS,
-     STRIP_WARPS, INTRA_BWD) = saved
+     STRIP_WARPS, INTRA_BWD, WY_DOTS) = saved
     jax.clear_caches()
 
 
@@ -153,7 +158,7 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
     kernel = functools.partial(kernels.intra_kernel, scale=scale, sub=SUB, mm_dtype=st)
   else:
     kernel = functools.partial(intra_levels.intra_fwd_kernel, scale=scale, bk=_intra_bk(dk, st),
-                               mm_dtype=st)
+                               mm_dtype=st, wy_dots=WY_DOTS)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (chunk, dk, dv, dk, dk)]
   out_specs = [tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)]
   if save or columns:                    # the columns kernel always writes akk and inv
@@ -210,7 +215,7 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
     shapes.append(jax.ShapeDtypeStruct((b, t, h, chunk), F32))
     out_specs.append(tok(chunk))
   outs = pl.pallas_call(
-      functools.partial(intra_levels.wy_kernel, scale=scale, bk=bk, mm_dtype=st),
+      functools.partial(intra_levels.wy_kernel, scale=scale, bk=bk, mm_dtype=st, wy_dots=WY_DOTS),
       grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), tok(chunk)],
       out_specs=out_specs, out_shape=shapes, interpret=interpret,

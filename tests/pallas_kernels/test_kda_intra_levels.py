@@ -51,3 +51,15 @@ def test_precise_bf16_dot_is_near_fp32():
   err, err_plain = np.max(np.abs(got - want)), np.max(np.abs(plain - want))
   # ~2^-16 relative per product (the dropped lo·lo term), against ~2^-8 for plain bf16 dots.
   assert err <= 2e-5 * np.max(np.abs(want)) and err <= err_plain / 50
+
+
+def test_precise_dot_with_an_exact_bf16_lhs():
+  # The in-chunk reverse cumsum dg = tri_up @ dΓ: a 0/1 lhs needs only the rhs split (two dots).
+  rng = np.random.default_rng(2)
+  c = 64
+  tri_up = np.triu(np.ones((c, c)))
+  b = rng.standard_normal((c, 32)) * 100
+  want = tri_up @ b
+  got = np.asarray(lv.mm_precise(jnp.asarray(tri_up, jnp.float32), jnp.asarray(b, jnp.float32),
+                                 jnp.bfloat16, a_exact=True), np.float64)
+  assert np.max(np.abs(got - want)) <= 2e-5 * np.max(np.abs(want))
