@@ -7,7 +7,7 @@ pallas_gpu variants (pallas_gpu.py): "fused" (sequential kernels compute everyth
 the default) or "split" (sequential kernels only carry the state; output / local backward terms in
 chunk-parallel kernels), with options joined by "-": bv<N> (V-block of the sequential kernels,
 default 32), w<N> (their num_warps, default 4), nohoist (split backward keeps Qgᵀ dO in the loop),
-columns / levels / strips (the forward intra kernel, pallas_gpu.INTRA_FWD), cw<N> / sw<N> (num_warps
+columns / levels / strips (the forward intra kernel, Settings.intra_fwd), cw<N> / sw<N> (num_warps
 of the columns / strips score kernel), ibk<N> / iw<N> (K-block and num_warps of the levels
 kernels, the strips WY kernel and the backward), tf32 (TF32 dots in the block-doubling WY inverse
 instead of bf16×3), kblocks (the K-block-parallel intra backward).

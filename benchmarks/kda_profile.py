@@ -71,7 +71,7 @@ def profile(b, t, h, lines, variants, intra_variants, interpret=False):
       if opts.get("split"):
         rec(f"  split seq part [{name}]",
             lambda kt, w, u, d, s0: pg._state_fwd_seq(kt, w, u, d, s0, chunk=C, interpret=interpret,
-                                                      bv=pg.block_v(vv), warps=pg.STATE_WARPS),
+                                                      bv=pg.block_v(vv), warps=pg.SETTINGS.state_warps),
             kt, w, u, d, s0)
       o, sf, hs, delta = jax.jit(lambda *a: pg.state_fwd(*a, save=True, **kw))(
           qg, kt, w, u, aqk, d, s0)
@@ -81,7 +81,7 @@ def profile(b, t, h, lines, variants, intra_variants, interpret=False):
       rec(f"state_bwd[{name}]", lambda *a: pg.state_bwd(*a, **kw), do, dsf, qg, kt, w, aqk, d)
       if opts.get("split"):
         rec("  split bwd_local part",
-            lambda *a: pg.bwd_local(*a, hoist_qdo=pg.HOIST_QDO, **kw), aqk, qg, do)
+            lambda *a: pg.bwd_local(*a, hoist_qdo=pg.SETTINGS.hoist_qdo, **kw), aqk, qg, do)
   hs, delta = saved["hs"], saved["delta"]
   ds0, dhs, ddelta = jax.jit(lambda *a: pg.state_bwd(*a, **kw))(do, dsf, qg, kt, w, aqk, d)
   rec("chunk_bwd", lambda *a: pg.chunk_bwd(*a, **kw), hs, dhs, delta, ddelta, do)

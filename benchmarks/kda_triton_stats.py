@@ -38,11 +38,12 @@ SASS_COUNTS = dict(sass=r"/\*[0-9a-f]{4,}\*/", mma=r"HMMA|HGMMA", bar=r"BAR", st
 
 def _warps(kernel_name: str) -> int:
   """num_warps each launcher in pallas_gpu.py passes for this kernel body."""
-  return {"intra_kernel": pallas_gpu.COLUMNS_WARPS, "intra_fwd_kernel": pallas_gpu.INTRA_WARPS,
-          "strip_scores_kernel": pallas_gpu.STRIP_WARPS, "wy_kernel": pallas_gpu.INTRA_WARPS,
-          "wy_bwd_kernel": pallas_gpu.INTRA_WARPS, "score_bwd_kernel": pallas_gpu.INTRA_WARPS,
-          "intra_bwd_kernel": pallas_gpu.INTRA_WARPS, "chunk_bwd_kernel": 8,
-          "out_kernel": 4, "bwd_local_kernel": 4}.get(kernel_name, pallas_gpu.STATE_WARPS)
+  s = pallas_gpu.SETTINGS
+  intra = ("intra_fwd_kernel", "wy_kernel", "wy_bwd_kernel", "score_bwd_kernel",
+           "intra_bwd_kernel")
+  return {"intra_kernel": s.columns_warps, "strip_scores_kernel": s.strip_warps,
+          **{name: s.intra_warps for name in intra}, "chunk_bwd_kernel": 8,
+          "out_kernel": 4, "bwd_local_kernel": 4}.get(kernel_name, s.state_warps)
 
 
 def dump_ttir(dtype, out_dir: str) -> list[tuple[str, int]]:

@@ -6,22 +6,24 @@ that it walks chunk by chunk with `pl.ds` (state passes, sequential over chunks,
 batch × head × V-blocks). With interpret=True the same kernels run on CPU (CI).
 
 Two variants of the state passes, same contracts and the same numbers (see kernels.py):
-* fused (SPLIT = False, the default, the one measured on the H200): the sequential forward loop
+* fused (split=False, the default, the one measured on the H200): the sequential forward loop
   computes Δ, O and S' (4 dots per chunk), the reverse loop dΔ = A_qkᵀ dO + Kt dS' and
   dS = Qgᵀ dO + d⊙dS' − Wᵀ dΔ (4 dots).
-* split (SPLIT = True): the sequential loops keep only what depends on the carried state. Forward:
+* split (split=True): the sequential loops keep only what depends on the carried state. Forward:
   the loop computes Δ and S' (2 dots) and stores every chunk's entering state h [B,N,H,K,V] and Δ;
   a chunk-parallel kernel then computes O = Qg h + A_qk Δ. Backward: a chunk-parallel kernel
-  computes dΔ_local = A_qkᵀ dO and (HOIST_QDO) dS_local = Qgᵀ dO first, and the loop does
-  dΔ = dΔ_local + Kt dS', dS = dS_local + d⊙dS' − Wᵀ dΔ (2 dots; 3 without HOIST_QDO, which
+  computes dΔ_local = A_qkᵀ dO and (hoist_qdo) dS_local = Qgᵀ dO first, and the loop does
+  dΔ = dΔ_local + Kt dS', dS = dS_local + d⊙dS' − Wᵀ dΔ (2 dots; 3 without hoist_qdo, which
   saves the fp32 [B,N,H,K,V] dS_local buffer).
-Launchers take the variant as keywords (None = the module default); `configured` changes the
-defaults for a block of code (benchmarks, tests).
+The intra-chunk kernels come in variants too (`intra`, `intra_bwd`). All choices live in one
+frozen `Settings` (module default SETTINGS); state launchers also take theirs as keywords;
+`configured` swaps the settings for a block of code (benchmarks, tests).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -35,19 +37,32 @@ INTRA_FWDS = ("columns", "levels", "strips")
 INTRA_BWDS = ("chunk", "kblocks")
 SUB = 16             # sub-chunk rows of the "columns" forward kernel
 
-# Module defaults of the state-pass variant (launcher keywords override them per call).
-SPLIT = False        # fused sequential kernels (the measured variant); True: split variant
-BLOCK_V = 32         # V-columns per sequential program (power of two >= 16)
-HOIST_QDO = True     # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V] buffer)
-STATE_WARPS = 4      # num_warps of the sequential kernels
-INTRA_FWD = "columns"  # forward intra-chunk kernel: "columns", "levels" or "strips" (see intra)
-INTRA_BK = 32        # K-columns per block inside the "levels" intra-chunk kernels
-INTRA_WARPS = 8      # num_warps of the "levels" intra-chunk kernels
-COLUMNS_WARPS = 8    # num_warps of the "columns" forward kernel
-STRIP_WARPS = 2      # num_warps of the "strips" score kernel (one 16-row strip per program)
-WY_DOTS = "bf16x3"   # dots of the block-doubling WY inverse (levels / strips): "bf16x3" or "tf32"
-INTRA_BWD = "chunk"  # backward intra kernel: "chunk" (one program per chunk) or "kblocks" (a WY
-                     # kernel per chunk, then one score-gradient program per chunk and K-block)
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Which kernel variants the launchers use and how they launch them (module default SETTINGS;
+  `configured` swaps it for a block of code). Validated on construction."""
+  split: bool = False          # state passes: fused (the measured one) or split
+  bv: int = 32                 # V-columns per sequential state program (power of two >= 16)
+  hoist_qdo: bool = True       # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V])
+  state_warps: int = 4         # num_warps of the sequential state kernels
+  intra_fwd: str = "columns"   # forward intra kernel: "columns", "levels" or "strips" (see intra)
+  intra_bwd: str = "chunk"     # backward intra kernel: "chunk" or "kblocks" (see intra_bwd)
+  intra_bk: int = 32           # K-columns per block in the levels / strips / backward kernels
+  intra_warps: int = 8         # num_warps of those kernels
+  columns_warps: int = 8       # num_warps of the "columns" forward kernel
+  strip_warps: int = 2         # num_warps of the "strips" score kernel (one 16-row strip each)
+  wy_dots: str = "bf16x3"      # dots of the block-doubling WY inverse: "bf16x3" or "tf32"
+
+  def __post_init__(self):
+    for name in ("bv", "intra_bk"):
+      _check_bv(getattr(self, name), name)
+    for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps"):
+      _check_warps(getattr(self, name), name)
+    for name, allowed in (("intra_fwd", INTRA_FWDS), ("intra_bwd", INTRA_BWDS),
+                          ("wy_dots", ("bf16x3", "tf32"))):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"kda pallas_gpu: {name} must be one of {allowed}, "
+                         f"got {getattr(self, name)!r}")
 
 
 def _params(num_warps: int, num_stages: int = 2):
@@ -55,89 +70,65 @@ def _params(num_warps: int, num_stages: int = 2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _check_bv(bv) -> int:
+def _check_bv(bv, name="block_v") -> int:
   if not isinstance(bv, int) or isinstance(bv, bool) or bv < 16 or bv & (bv - 1):
-    raise ValueError(f"kda pallas_gpu: block_v must be a power of two >= 16, got {bv!r}")
+    raise ValueError(f"kda pallas_gpu: {name} must be a power of two >= 16, got {bv!r}")
   return bv
 
 
-def _check_warps(warps) -> int:
+def _check_warps(warps, name="state_warps") -> int:
   if warps not in (1, 2, 4, 8, 16):
-    raise ValueError(f"kda pallas_gpu: state_warps must be 1, 2, 4, 8 or 16, got {warps!r}")
+    raise ValueError(f"kda pallas_gpu: {name} must be 1, 2, 4, 8 or 16, got {warps!r}")
   return warps
 
 
+SETTINGS = Settings()
+
+
 def block_v(dv: int, bv: int | None = None) -> int:
-  """V-block of the state passes (default BLOCK_V = 32: S [K, 32] stays in registers and there
+  """V-block of the state passes (default SETTINGS.bv = 32: S [K, 32] stays in registers and there
   are B·H·V/32 independent sequential programs), capped at V."""
-  return min(dv, _check_bv(BLOCK_V if bv is None else bv))
+  return min(dv, _check_bv(SETTINGS.bv if bv is None else bv))
 
 
 @contextlib.contextmanager
-def configured(*, split: bool | None = None, bv: int | None = None,
-               hoist_qdo: bool | None = None, state_warps: int | None = None,
-               intra_bk: int | None = None, intra_warps: int | None = None,
-               intra_fwd: str | None = None, columns_warps: int | None = None,
-               strip_warps: int | None = None, intra_bwd: str | None = None,
-               wy_dots: str | None = None):
-  """Temporarily set the module defaults (None leaves one unchanged), e.g. to time variants.
+def configured(**overrides):
+  """Temporarily replace fields of SETTINGS (keywords of `Settings`; None leaves one unchanged),
+  e.g. to time variants. Bad values raise before anything changes.
 
   Jitted callers (op._kda_pallas_core) cache their traces without these settings in the key, so
   JAX's caches are cleared on entry and on exit: compile and run what should use the variant
   inside the block.
   """
-  global SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS
-  global STRIP_WARPS, INTRA_BWD, WY_DOTS
-  if wy_dots not in (None, "bf16x3", "tf32"):
-    raise ValueError(f"kda pallas_gpu: wy_dots must be 'bf16x3' or 'tf32', got {wy_dots!r}")
-  if intra_bwd not in (None,) + INTRA_BWDS:
-    raise ValueError(f"kda pallas_gpu: intra_bwd must be one of {INTRA_BWDS}, got {intra_bwd!r}")
-  if intra_fwd not in (None,) + INTRA_FWDS:
-    raise ValueError(f"kda pallas_gpu: intra_fwd must be one of {INTRA_FWDS}, got {intra_fwd!r}")
-  if bv is not None:
-    _check_bv(bv)
-  if intra_bk is not None:
-    _check_bv(intra_bk)
-  for warps in (state_warps, intra_warps, columns_warps, strip_warps):
-    if warps is not None:
-      _check_warps(warps)
-  saved = (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS,
-           STRIP_WARPS, INTRA_BWD, WY_DOTS)
+  global SETTINGS
+  saved = SETTINGS
+  new = dataclasses.replace(saved, **{k: v for k, v in overrides.items() if v is not None})
   jax.clear_caches()
   try:
-    SPLIT = SPLIT if split is None else bool(split)
-    BLOCK_V = BLOCK_V if bv is None else bv
-    HOIST_QDO = HOIST_QDO if hoist_qdo is None else bool(hoist_qdo)
-    STATE_WARPS = STATE_WARPS if state_warps is None else state_warps
-    INTRA_BK = INTRA_BK if intra_bk is None else intra_bk
-    INTRA_WARPS = INTRA_WARPS if intra_warps is None else intra_warps
-    INTRA_FWD = INTRA_FWD if intra_fwd is None else intra_fwd
-    COLUMNS_WARPS = COLUMNS_WARPS if columns_warps is None else columns_warps
-    STRIP_WARPS = STRIP_WARPS if strip_warps is None else strip_warps
-    INTRA_BWD = INTRA_BWD if intra_bwd is None else intra_bwd
-    WY_DOTS = WY_DOTS if wy_dots is None else wy_dots
+    SETTINGS = new
     yield
   finally:
-    (SPLIT, BLOCK_V, HOIST_QDO, STATE_WARPS, INTRA_BK, INTRA_WARPS, INTRA_FWD, COLUMNS_WARPS,
-     STRIP_WARPS, INTRA_BWD, WY_DOTS) = saved
+    SETTINGS = saved
     jax.clear_caches()
 
 
 def _variant(split, bv, dv, warps):
   """Resolve the per-call keywords against the module defaults."""
-  split = SPLIT if split is None else split
-  warps = _check_warps(STATE_WARPS if warps is None else warps)
+  split = SETTINGS.split if split is None else split
+  warps = _check_warps(SETTINGS.state_warps if warps is None else warps)
   return split, block_v(dv, bv), warps
 
 
 def _intra_bk(dk: int, dtype) -> int:
-  """K-block of the levels kernels: INTRA_BK, and at most 16 for fp32 inputs (IEEE fp32 dots
-  stage more shared memory; an H200 run at 64 overflowed it, and fp32 is the checking path)."""
-  return min(dk, INTRA_BK if jnp.dtype(dtype) != F32 else min(INTRA_BK, 16))
+  """K-block of the levels kernels: SETTINGS.intra_bk, and at most 16 for fp32 inputs (IEEE fp32
+  dots stage more shared memory; an H200 run at 64 overflowed it, and fp32 is the checking
+  path)."""
+  bk = SETTINGS.intra_bk
+  return min(dk, bk if jnp.dtype(dtype) != F32 else min(bk, 16))
 
 
 def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
-  """Intra-chunk forward over the chunks, by INTRA_FWD:
+  """Intra-chunk forward over the chunks, by SETTINGS.intra_fwd:
   "columns": kernels.intra_kernel, one program per chunk (diagonal sub-chunk blocks one column at
              a time, WY inverse row by row);
   "levels":  intra_levels.intra_fwd_kernel, one program per chunk, dots only;
@@ -145,7 +136,7 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
              intra_levels.wy_kernel per chunk (block-doubling inverse, W, U).
   Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V] in q's dtype (the dots' operand dtype),
   then, when `save` (training), akk, inv [B,T,H,C] fp32 for the backward (else None, None)."""
-  if INTRA_FWD == "strips":
+  if SETTINGS.intra_fwd == "strips":
     return _intra_strips(q, k, v, gam, beta, cnt, scale=scale, chunk=chunk, interpret=interpret,
                          save=save)
   b, t, h, dk = q.shape
@@ -153,12 +144,12 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
   n = t // chunk
   st = q.dtype
   tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
-  columns = INTRA_FWD == "columns"
+  columns = SETTINGS.intra_fwd == "columns"
   if columns:
     kernel = functools.partial(kernels.intra_kernel, scale=scale, sub=SUB, mm_dtype=st)
   else:
     kernel = functools.partial(intra_levels.intra_fwd_kernel, scale=scale, bk=_intra_bk(dk, st),
-                               mm_dtype=st, wy_dots=WY_DOTS)
+                               mm_dtype=st, wy_dots=SETTINGS.wy_dots)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (chunk, dk, dv, dk, dk)]
   out_specs = [tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk)]
   if save or columns:                    # the columns kernel always writes akk and inv
@@ -168,7 +159,7 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
       kernel, grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), _cnt_row(chunk)],
       out_specs=out_specs, out_shape=shapes, interpret=interpret,
-      compiler_params=None if interpret else _params(COLUMNS_WARPS if columns else INTRA_WARPS, 1),
+      compiler_params=None if interpret else _params(SETTINGS.columns_warps if columns else SETTINGS.intra_warps, 1),
   )(q, k, v, gam, beta[..., None], cnt[..., None], cnt.reshape(b, n, 1, chunk))
   return tuple(outs) if save else tuple(outs[:5]) + (None, None)
 
@@ -206,7 +197,7 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
       out_specs=[strip(chunk), strip(chunk)],
       out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
                  jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
-      interpret=interpret, compiler_params=None if interpret else _params(STRIP_WARPS, 1),
+      interpret=interpret, compiler_params=None if interpret else _params(SETTINGS.strip_warps, 1),
   )(q, k, gam, k, gam, cnt[..., None], cnt_row)
   tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]
@@ -215,11 +206,11 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
     shapes.append(jax.ShapeDtypeStruct((b, t, h, chunk), F32))
     out_specs.append(tok(chunk))
   outs = pl.pallas_call(
-      functools.partial(intra_levels.wy_kernel, scale=scale, bk=bk, mm_dtype=st, wy_dots=WY_DOTS),
+      functools.partial(intra_levels.wy_kernel, scale=scale, bk=bk, mm_dtype=st, wy_dots=SETTINGS.wy_dots),
       grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), tok(chunk)],
       out_specs=out_specs, out_shape=shapes, interpret=interpret,
-      compiler_params=None if interpret else _params(INTRA_WARPS, 1),
+      compiler_params=None if interpret else _params(SETTINGS.intra_warps, 1),
   )(q, k, v, gam, beta[..., None], cnt[..., None], akk)
   w, u, qg, kt = outs[:4]
   return (aqk, w, u, qg, kt) + ((akk, outs[4]) if save else (None, None))
@@ -262,7 +253,7 @@ def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, split=None, b
               state_warps=None):
   """State pass + outputs. Returns (o [B,T,H,V] fp32, S_final [B,H,K,V] fp32) and, when `save`,
   the per-chunk entering states h [B,N,H,K,V] and Δ [B,T,H,V] (storage dtype).
-  split/bv/state_warps: the variant (None = module defaults SPLIT, BLOCK_V, STATE_WARPS)."""
+  split/bv/state_warps: the variant (None = SETTINGS)."""
   dv = u.shape[-1]
   split, bv, warps = _variant(split, bv, dv, state_warps)
   if not split:
@@ -365,7 +356,7 @@ def state_bwd(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, split=None, bv=No
   split/bv/hoist_qdo/state_warps: the variant (None = module defaults)."""
   dv = do.shape[-1]
   split, bv, warps = _variant(split, bv, dv, state_warps)
-  hoist = HOIST_QDO if hoist_qdo is None else hoist_qdo
+  hoist = SETTINGS.hoist_qdo if hoist_qdo is None else hoist_qdo
   if not split:
     return _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, chunk=chunk, interpret=interpret, bv=bv,
                             warps=warps)
@@ -491,7 +482,7 @@ def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):
 
 def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, dd, d, *, scale,
               chunk, interpret):
-  """Intra-chunk backward, ending at dg: INTRA_BWD = "chunk" (intra_levels.intra_bwd_kernel over
+  """Intra-chunk backward, ending at dg: SETTINGS.intra_bwd = "chunk" (intra_levels.intra_bwd_kernel over
   grid (B, N, H)) or "kblocks" (intra_levels.wy_bwd_kernel per chunk, then
   intra_levels.score_bwd_kernel over grid (B, N·K/bk, H)). dd, d [B,N,H,K,1]: the state decay's
   cotangent and value. Returns dq, dk [B,T,H,K], dv [B,T,H,V] in q's dtype, dbeta [B,T,H,1]
@@ -503,11 +494,11 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   tok = lambda d_: pl.BlockSpec((None, chunk, None, d_), lambda ib, ic, ih: (ib, ic, ih, 0))
   ddl = (dd * d).reshape(b, n, h, 1, dk)                    # [K, 1] and [1, K]: same memory order
   cnt_row = cnt.reshape(b, n, 1, chunk)
-  params = None if interpret else _params(INTRA_WARPS, 1)
+  params = None if interpret else _params(SETTINGS.intra_warps, 1)
   k_shapes = [jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)] * 2
   grad_shapes = [jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, t, h, 1), F32)]
-  if INTRA_BWD == "chunk":
+  if SETTINGS.intra_bwd == "chunk":
     row_k = pl.BlockSpec((None, None, None, 1, dk), lambda ib, ic, ih: (ib, ic, ih, 0, 0))
     dq, dk_, dv_, dbeta, dg = pl.pallas_call(
         functools.partial(intra_levels.intra_bwd_kernel, scale=scale, bk=bk, mm_dtype=q.dtype),
@@ -549,3 +540,4 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
       interpret=interpret, compiler_params=params,
   )(q, k, gam, beta[..., None], cnt[..., None], cnt_row, inv, daqk, dakk, dw, dqg, dkt, ddl)
   return dq, dk_, dv_, dbeta, dg
+

@@ -2,7 +2,7 @@
 
 Forward:  intra-chunk kernel (A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk, parallel over chunks)
           → state pass, sequential over chunks and parallel over B × H × V-blocks, in one of two
-            variants (pallas_gpu.SPLIT; the TPU launchers have only the fused one):
+            variants (pallas_gpu.Settings.split; the TPU launchers have only the fused one):
             fused: one sequential kernel computes Δ = U − W S, O = Qg S + A_qk Δ and
                    S' = d⊙S + Ktᵀ Δ per chunk;
             split: the sequential kernel computes only Δ and S' and stores every chunk's entering
@@ -10,14 +10,14 @@ Forward:  intra-chunk kernel (A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk,
           Both return O, the final state and, for the backward, h per chunk and Δ.
 Backward: reverse state pass (dS' per chunk, dΔ = A_qkᵀ dO + Kt dS', dS = Qgᵀ dO + d⊙dS' − Wᵀ dΔ);
             split variant: a chunk-parallel kernel first computes the state-independent
-            A_qkᵀ dO (and Qgᵀ dO, pallas_gpu.HOIST_QDO), so the sequential loop only adds
+            A_qkᵀ dO (and Qgᵀ dO, Settings.hoist_qdo), so the sequential loop only adds
             Kt dS' and Wᵀ dΔ
           → chunk kernel (dQg, dW, dKt, dA_qk, dd from S, dS', Δ, dΔ, dO)
           → intra-chunk backward kernel (WY solve and score gradients; its jnp twin is the VJP
             of `intra.intra_all`, which the tests compare it with) → dg = in-chunk reverse
             cumsum of dΓ.
 The recurrence is never differentiated. `platform` picks the launchers (pallas_gpu / pallas_tpu);
-the launchers read their variant from their module defaults (pallas_gpu.configured changes them).
+the GPU launchers read their variants from pallas_gpu.SETTINGS (pallas_gpu.configured swaps it).
 """
 
 from __future__ import annotations

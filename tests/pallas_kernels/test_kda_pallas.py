@@ -157,18 +157,21 @@ def test_variant_switch_reaches_the_kernels():
   assert counts() == (2, 5)
   with pallas_gpu.configured(split=True, bv=16):
     assert counts() == (3, 7)
-    assert pallas_gpu.SPLIT and pallas_gpu.BLOCK_V == 16
+    assert pallas_gpu.SETTINGS.split and pallas_gpu.SETTINGS.bv == 16
   assert counts() == (2, 5)
-  assert not pallas_gpu.SPLIT and pallas_gpu.BLOCK_V == 32
+  assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
 
 
-@pytest.mark.parametrize("kw, match", [(dict(bv=48), "block_v must be a power of two"),
-                                       (dict(state_warps=3), "state_warps must be")])
+@pytest.mark.parametrize("kw, match", [(dict(bv=48), "bv must be a power of two"),
+                                       (dict(state_warps=3), "state_warps must be"),
+                                       (dict(intra_fwd="rows"), "intra_fwd must be one of"),
+                                       (dict(wy_dots="fp16"), "wy_dots must be one of"),
+                                       (dict(warps=8), "unexpected keyword")])
 def test_variant_bad_settings_raise(kw, match):
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises((ValueError, TypeError), match=match):
     with pallas_gpu.configured(**kw):
       pass
-  assert pallas_gpu.BLOCK_V == 32 and pallas_gpu.STATE_WARPS == 4
+  assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
 
 
 @pytest.mark.parametrize("intra_fwd", pallas_gpu.INTRA_FWDS)
