@@ -16,13 +16,18 @@ tiles, with no row-by-row loops:
   (the inverse of the 1×1 blocks) and each level joins pairs of diagonal blocks,
       X ← X − X (M_L ⊙ N) X,
   which is [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]] for every 2L-block. Dots here are "precise" (fp32 IEEE
-  for fp32 inputs, three bf16 dots of a hi/lo split otherwise).
+  for fp32 inputs; otherwise three bf16 dots of a hi/lo split, or one TF32 dot).
 * Backward: the WY solve's VJP (dR = Xᵀ dY, dN = −dR Yᵀ), then the score gradients per level with
   the same E_L factors, and dΓ → dg (reverse in-chunk cumsum, plus the state-decay cotangent on the
   last row) as one precise dot with an upper-triangular ones matrix.
 
 K is walked in column blocks of `bk` (scores and per-column gradients are separable over K), so
 the live register tiles are [C, bk]; Γ_{m(x)} is a gathered row load per level.
+
+Kernels (pallas_gpu.Settings picks them): `intra_fwd_kernel` (one chunk per program, levels);
+`strip_scores_kernel` + `wy_kernel` (the "strips" forward: scores per 16-row strip, then the
+inverse and W, U per chunk); `intra_bwd_kernel` (one chunk per program) or `wy_bwd_kernel` +
+`score_bwd_kernel` (the "kblocks" backward: per chunk, then per chunk and K-block).
 """
 
 from __future__ import annotations
