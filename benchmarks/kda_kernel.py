@@ -10,7 +10,7 @@ default 32), w<N> (their num_warps, default 4), nohoist (split backward keeps Qg
 columns / levels / strips (the forward intra kernel, Settings.intra_fwd), cw<N> / sw<N> (num_warps
 of the columns / strips score kernel), ibk<N> / iw<N> (K-block and num_warps of the levels
 kernels, the strips WY kernel and the backward), tf32 (TF32 dots in the block-doubling WY inverse
-instead of bf16×3), kblocks (the K-block-parallel intra backward).
+instead of bf16×3), kblocks / bstrips (the K-block- / strip-parallel intra backward).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
 1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
@@ -74,8 +74,10 @@ def parse_variant(name):
   for opt in opts:
     if opt in pallas_gpu.INTRA_FWDS:
       kw["intra_fwd"] = opt
-    elif opt in ("tf32", "kblocks"):
-      kw.update(wy_dots="tf32") if opt == "tf32" else kw.update(intra_bwd="kblocks")
+    elif opt == "tf32":
+      kw["wy_dots"] = "tf32"
+    elif opt in ("kblocks", "bstrips"):
+      kw["intra_bwd"] = "strips" if opt == "bstrips" else opt
     elif opt.startswith("sw") and opt[2:].isdigit():
       kw["strip_warps"] = int(opt[2:])
     elif opt.startswith("cw") and opt[2:].isdigit():
@@ -92,7 +94,7 @@ def parse_variant(name):
       kw["hoist_qdo"] = False
     else:
       raise ValueError(f"variant {name!r}: unknown option {opt!r} (bv<N>, w<N>, nohoist, "
-                       "columns|levels|strips, cw<N>, sw<N>, ibk<N>, iw<N>, tf32, kblocks)")
+                       "columns|levels|strips, cw<N>, sw<N>, ibk<N>, iw<N>, tf32, kblocks|bstrips)")
   with pallas_gpu.configured(**kw):   # validates bv / warps before anything runs
     pass
   return kw

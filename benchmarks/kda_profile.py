@@ -99,7 +99,7 @@ def main():
   ap.add_argument("--shapes", default="2x8192x16")
   ap.add_argument("--variants", default="fused,split")
   ap.add_argument("--intra-variants", default="default",
-                  help="comma list of 'default' or '-'-joined columns|levels|strips, cw<N>, sw<N>, bk<N>w<M>, tf32, kblocks")
+                  help="comma list of 'default' or '-'-joined columns|levels|strips, cw<N>, sw<N>, bk<N>w<M>, tf32, kblocks|bstrips")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
   a = ap.parse_args()
   variants = []
@@ -121,8 +121,8 @@ def main():
           kw["strip_warps"] = int(opt[2:])
         elif opt == "tf32":
           kw["wy_dots"] = "tf32"
-        elif opt == "kblocks":
-          kw["intra_bwd"] = "kblocks"
+        elif opt in ("kblocks", "bstrips"):
+          kw["intra_bwd"] = "strips" if opt == "bstrips" else opt
         else:
           bk, warps = opt[2:].split("w")
           kw.update(intra_bk=int(bk), intra_warps=int(warps))

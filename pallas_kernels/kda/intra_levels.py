@@ -376,3 +376,122 @@ def _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta, inv, daqk_ref, 
     return _
 
   lax.fori_loop(0, width // bk, grad_block, 0)
+
+
+def strip_grads_kernel(q_ref, k_ref, gam_ref, qc_ref, kc_ref, gamc_ref, beta_ref, cnt_ref,
+                       cntc_ref, cntr_ref, daqk_rows_ref, dakk_rows_ref, daqk_cols_ref,
+                       dakk_cols_ref, inv_cols_ref, dwc_ref, dqg_ref, dkt_ref,
+                       dq_ref, dk_ref, dgam_ref, *, strips, scale, bk, mm_dtype):
+  """The "strips" backward's score gradients for one strip of `sub` rows: dq, dk and dΓ of the
+  strip (dΓ without the last-row state terms; `dg_kernel` adds those and the cumsum).
+
+  Row side (r in the strip): pairs with earlier strips through the strip's first row (as
+  `strip_scores_kernel`), pairs inside the strip one column at a time. Column side (s in the
+  strip): pairs with later strips through the next strip's first row m (s < m ≤ r), pairs
+  inside the strip one row at a time. Refs: q, k, gam, dqg, dkt [sub, K] (the strip); qc, kc,
+  gamc, dwc [C, K] (the chunk); beta, cnt [sub, 1]; cntc [C, 1]; cntr [1, C]; daqk/dakk rows
+  [sub, C] and columns [C, sub] (dakk already masked); inv columns [C, sub].
+  """
+  sub, dk = q_ref.shape
+  c = kc_ref.shape[0]
+  base = lax.rem(pl.program_id(1), strips) * sub
+  nxt = jnp.minimum(base + sub, c - 1)                    # next strip's first row (clamped)
+  local = _iota((sub, 1), 0)
+  lcol = _iota((sub, sub), 1)
+  crow = _iota((c, 1), 0)
+  before, after = crow < base, crow >= base + sub
+  cnt = cnt_ref[...]
+  cnt_strip_row = cntr_ref[:, pl.ds(base, sub)]            # [1, sub]
+  beta = beta_ref[...].astype(F32)
+  sees = cnt == 0.0
+  in_last = cnt == cntc_ref[pl.ds(c - 1, 1), :]
+  # dA_qk masked to s ≤ r in one segment: rows of the strip, and columns of the strip.
+  row_g, col_g = base + _iota((sub, c), 0), _iota((sub, c), 1)
+  daqk_rows = jnp.where((cnt == cntr_ref[...]) & (col_g <= row_g),
+                        daqk_rows_ref[...].astype(F32), 0.0)
+  rr, ss = _iota((c, sub), 0), base + _iota((c, sub), 1)
+  daqk_cols = jnp.where((cntc_ref[...] == cnt_strip_row) & (ss <= rr),
+                        daqk_cols_ref[...].astype(F32), 0.0)
+  dakk_rows = dakk_rows_ref[...]
+  dakk_cols = dakk_cols_ref[...]
+  # The strip's diagonal block transposed ([s, r]), for the in-strip column side.
+  diag_ok = (cnt == cnt_strip_row) & (lcol <= local)      # [r, s]: s ≤ r, one segment
+  dq_diag_t = jnp.transpose(jnp.where(diag_ok, daqk_rows_ref[:, pl.ds(base, sub)].astype(F32),
+                                      0.0))
+  dk_diag_t = jnp.transpose(dakk_rows_ref[:, pl.ds(base, sub)])
+  inv_cols = inv_cols_ref[...]
+
+  def k_block(kb, _):
+    cols = pl.ds(kb * bk, bk)
+    q = q_ref[:, cols].astype(F32) * scale
+    k = k_ref[:, cols].astype(F32)
+    gam = gam_ref[:, cols]
+    qc = qc_ref[:, cols].astype(F32) * scale
+    kc = kc_ref[:, cols].astype(F32)
+    gamc = gamc_ref[:, cols]
+    ref = gamc_ref[pl.ds(base, 1), cols]
+    refm = gamc_ref[pl.ds(nxt, 1), cols]
+    e_row = jnp.exp(gam - ref)
+    e_col = jnp.exp(refm - gam)
+    k_back = jnp.where(before, kc * jnp.exp(jnp.where(before, ref - gamc, 0.0)), 0.0)
+    e_fwd = jnp.where(after, jnp.exp(jnp.where(after, gamc - refm, 0.0)), 0.0)
+    dq_a = e_row * mm(daqk_rows, k_back, mm_dtype)
+    dk_row = e_row * mm(dakk_rows, k_back, mm_dtype)
+    dk_col = e_col * (mm_tn(daqk_cols, qc * e_fwd, mm_dtype)
+                      + mm_tn(dakk_cols, kc * e_fwd, mm_dtype))
+
+    def inside(j, acc):
+      dq_a, dk_row, dk_col = acc
+      q_j = qc_ref[pl.ds(base + j, 1), cols].astype(F32) * scale
+      k_j = kc_ref[pl.ds(base + j, 1), cols].astype(F32)
+      gam_j = gamc_ref[pl.ds(base + j, 1), cols]
+      # Row side, column s = base + j of the strip (s ≤ r).
+      later = local >= j
+      k_dec = jnp.where(later, k_j * jnp.exp(jnp.where(later, gam - gam_j, 0.0)), 0.0)
+      at_j = col_g == base + j
+      dq_a = dq_a + jnp.sum(jnp.where(at_j, daqk_rows, 0.0), axis=1, keepdims=True) * k_dec
+      dk_row = dk_row + jnp.sum(jnp.where(at_j, dakk_rows, 0.0), axis=1, keepdims=True) * k_dec
+      # Column side, row r = base + j of the strip (s ≤ r).
+      earlier = local <= j
+      e = jnp.where(earlier, jnp.exp(jnp.where(earlier, gam_j - gam, 0.0)), 0.0)
+      coef_q = jnp.sum(jnp.where(lcol == j, dq_diag_t, 0.0), axis=1, keepdims=True)
+      coef_k = jnp.sum(jnp.where(lcol == j, dk_diag_t, 0.0), axis=1, keepdims=True)
+      dk_col = dk_col + e * (coef_q * q_j + coef_k * k_j)
+      return dq_a, dk_row, dk_col
+
+    dq_a, dk_row, dk_col = lax.fori_loop(0, sub, inside, (dq_a, dk_row, dk_col))
+    decay = jnp.exp(gam)
+    e_tail = jnp.where(in_last, jnp.exp(gamc_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
+    dkg = beta * mm_tn(inv_cols, dwc_ref[:, cols].astype(F32), mm_dtype)
+    dqg = dqg_ref[:, cols].astype(F32)
+    dkt = dkt_ref[:, cols].astype(F32)
+    dq_ref[:, cols] = ((jnp.where(sees, dqg * decay, 0.0) + dq_a) * scale).astype(dq_ref.dtype)
+    dk_ref[:, cols] = (jnp.where(sees, dkg * decay, 0.0) + dkt * e_tail + dk_row
+                       + dk_col).astype(dk_ref.dtype)
+    dgam_ref[:, cols] = (jnp.where(sees, (dqg * q + dkg * k) * decay, 0.0) - dkt * k * e_tail
+                         + q * dq_a + k * dk_row - k * dk_col)
+    return _
+
+  lax.fori_loop(0, dk // bk, k_block, 0)
+
+
+def dg_kernel(dgam_ref, k_ref, gam_ref, cnt_ref, dkt_ref, ddl_ref, dg_ref, *, bk, mm_dtype):
+  """Last step of the "strips" backward, one chunk: dΓ's last row gains Σ_rows dKt ⊙ Kt (Kt =
+  e^{Γ_C−Γ}⊙K on the last segment) and dd ⊙ d, then dg = reverse in-chunk cumsum (one precise
+  dot with a triangular ones matrix). Refs: dgam, k, gam, dkt, dg [C, K]; cnt [C, 1]; ddl [1, K]."""
+  c, dk = dgam_ref.shape
+  cnt = cnt_ref[...]
+  in_last = cnt == cnt_ref[pl.ds(c - 1, 1), :]
+  tri_up = (_iota((c, c), 1) >= _iota((c, c), 0)).astype(F32)
+  last_row = _iota((c, 1), 0) == c - 1
+
+  def k_block(kb, _):
+    cols = pl.ds(kb * bk, bk)
+    kt = jnp.where(in_last, k_ref[:, cols].astype(F32)
+                   * jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam_ref[:, cols]), 0.0)
+    extra = jnp.sum(dkt_ref[:, cols].astype(F32) * kt, axis=0, keepdims=True) + ddl_ref[:, cols]
+    dgam = dgam_ref[:, cols] + jnp.where(last_row, extra, 0.0)
+    dg_ref[:, cols] = mm_precise(tri_up, dgam, mm_dtype, a_exact=True).astype(dg_ref.dtype)
+    return _
+
+  lax.fori_loop(0, dk // bk, k_block, 0)

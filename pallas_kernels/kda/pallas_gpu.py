@@ -34,7 +34,7 @@ from pallas_kernels.kda import intra_levels, kernels
 
 F32 = jnp.float32
 INTRA_FWDS = ("columns", "levels", "strips")
-INTRA_BWDS = ("chunk", "kblocks")
+INTRA_BWDS = ("chunk", "kblocks", "strips")
 SUB = 16             # sub-chunk rows of the "columns" forward kernel
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Settings:
   hoist_qdo: bool = True       # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V])
   state_warps: int = 4         # num_warps of the sequential state kernels
   intra_fwd: str = "columns"   # forward intra kernel: "columns", "levels" or "strips" (see intra)
-  intra_bwd: str = "chunk"     # backward intra kernel: "chunk" or "kblocks" (see intra_bwd)
+  intra_bwd: str = "chunk"     # backward intra kernel: "chunk", "kblocks" or "strips" (intra_bwd)
   intra_bk: int = 32           # K-columns per block in the levels / strips / backward kernels
   intra_warps: int = 8         # num_warps of those kernels
   columns_warps: int = 8       # num_warps of the "columns" forward kernel
@@ -482,9 +482,10 @@ def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):
 
 def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, dd, d, *, scale,
               chunk, interpret):
-  """Intra-chunk backward, ending at dg: SETTINGS.intra_bwd = "chunk" (intra_levels.intra_bwd_kernel over
-  grid (B, N, H)) or "kblocks" (intra_levels.wy_bwd_kernel per chunk, then
-  intra_levels.score_bwd_kernel over grid (B, N·K/bk, H)). dd, d [B,N,H,K,1]: the state decay's
+  """Intra-chunk backward, ending at dg: SETTINGS.intra_bwd = "chunk" (intra_levels.intra_bwd_kernel
+  over grid (B, N, H)), "kblocks" (intra_levels.wy_bwd_kernel per chunk, then
+  intra_levels.score_bwd_kernel over grid (B, N·K/bk, H)) or "strips" (wy_bwd_kernel, then
+  intra_levels.strip_grads_kernel per 16-row strip and intra_levels.dg_kernel per chunk). dd, d [B,N,H,K,1]: the state decay's
   cotangent and value. Returns dq, dk [B,T,H,K], dv [B,T,H,V] in q's dtype, dbeta [B,T,H,1]
   fp32 and dg [B,T,H,K] fp32."""
   b, t, h, dk = q.shape
@@ -521,6 +522,10 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
       out_shape=grad_shapes + [jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
       interpret=interpret, compiler_params=params,
   )(k, v, gam, beta[..., None], cnt[..., None], cnt_row, akk, inv, w, u, dw, du)
+  if SETTINGS.intra_bwd == "strips":
+    dq, dk_, dg = _grads_strips(q, k, gam, beta, cnt, cnt_row, inv, daqk, dakk, dw, dqg, dkt,
+                                ddl, scale=scale, chunk=chunk, bk=bk, interpret=interpret)
+    return dq, dk_, dv_, dbeta, dg
   nkb = dk // bk
   kblk = lambda: pl.BlockSpec((None, chunk, None, bk),
                               lambda ib, ip, ih: (ib, ip // nkb, ih, ip % nkb))
@@ -541,3 +546,43 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   )(q, k, gam, beta[..., None], cnt[..., None], cnt_row, inv, daqk, dakk, dw, dqg, dkt, ddl)
   return dq, dk_, dv_, dbeta, dg
 
+
+
+def _grads_strips(q, k, gam, beta, cnt, cnt_row, inv, daqk, dakk, dw, dqg, dkt, ddl, *, scale,
+                  chunk, bk, interpret):
+  """The "strips" backward after the WY kernel: score gradients per 16-row strip (grid
+  B × N·C/16 × H), then dg per chunk. Returns dq, dk [B,T,H,K] in q's dtype and dg fp32."""
+  b, t, h, dk = q.shape
+  n = t // chunk
+  sub = min(SUB, chunk)
+  strips = chunk // sub
+  strip = lambda d: pl.BlockSpec((None, sub, None, d), lambda ib, ip, ih: (ib, ip, ih, 0))
+  whole = lambda d: pl.BlockSpec((None, chunk, None, d),
+                                 lambda ib, ip, ih: (ib, ip // strips, ih, 0))
+  col_block = pl.BlockSpec((None, chunk, None, sub),
+                           lambda ib, ip, ih: (ib, ip // strips, ih, ip % strips))
+  cnt_chunk = pl.BlockSpec((None, chunk, 1), lambda ib, ip, ih: (ib, ip // strips, 0))
+  params = None if interpret else _params(SETTINGS.strip_warps, 1)
+  dq, dk_, dgam = pl.pallas_call(
+      functools.partial(intra_levels.strip_grads_kernel, strips=strips, scale=scale, bk=bk,
+                        mm_dtype=q.dtype),
+      grid=(b, n * strips, h),
+      in_specs=[strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), whole(dk), strip(1),
+                _cnt_col(sub), cnt_chunk, _cnt_row(chunk, strips), strip(chunk), strip(chunk),
+                col_block, col_block, col_block, whole(dk), strip(dk), strip(dk)],
+      out_specs=[strip(dk), strip(dk), strip(dk)],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)] * 2
+      + [jax.ShapeDtypeStruct((b, t, h, dk), F32)],
+      interpret=interpret, compiler_params=params,
+  )(q, k, gam, q, k, gam, beta[..., None], cnt[..., None], cnt[..., None], cnt_row, daqk, dakk,
+    daqk, dakk, inv, dw, dqg, dkt)
+  tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
+  dg = pl.pallas_call(
+      functools.partial(intra_levels.dg_kernel, bk=bk, mm_dtype=q.dtype),
+      grid=(b, n, h),
+      in_specs=[tok(dk), tok(dk), tok(dk), _cnt_col(chunk), tok(dk),
+                pl.BlockSpec((None, None, None, 1, dk), lambda ib, ic, ih: (ib, ic, ih, 0, 0))],
+      out_specs=tok(dk), out_shape=jax.ShapeDtypeStruct((b, t, h, dk), F32),
+      interpret=interpret, compiler_params=None if interpret else _params(4, 1),
+  )(dgam, k, gam, cnt[..., None], dkt, ddl)
+  return dq, dk_, dg

@@ -30,6 +30,7 @@ VARIANTS = {
     "pallas_gpu_split_bv64_nohoist": ("pallas_gpu", dict(split=True, bv=64, hoist_qdo=False)),
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64)),
     "pallas_gpu_strips_kblocks": ("pallas_gpu", dict(intra_fwd="strips", intra_bwd="kblocks")),
+    "pallas_gpu_strips": ("pallas_gpu", dict(intra_fwd="strips", intra_bwd="strips")),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -87,7 +88,7 @@ def packed_results(variant, dtype_name):
 
 
 @pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist", "pallas_gpu_levels",
-                                     "pallas_gpu_strips_kblocks"))
+                                     "pallas_gpu_strips_kblocks", "pallas_gpu_strips"))
 def test_packed_fp32_matches_reference(backend):
   o_ref, s_ref, g_ref = packed_results("reference", "float32")
   o, s, grads = packed_results(backend, "float32")
