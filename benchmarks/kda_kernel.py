@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -65,39 +66,38 @@ def _inputs(rng, b, t, h, dtype):
   return q, k, v, g, beta
 
 
+# Variant options joined by "-": <prefix><N> integer settings and named flags (pallas_gpu.Settings).
+_INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_warps",
+                "cw": "columns_warps", "sw": "strip_warps"}
+_FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
+                 "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
+                 **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
+
+
+def parse_options(name, opts):
+  """Options (see the module docstring) -> pallas_gpu.configured keywords, validated."""
+  kw = {}
+  for opt in opts:
+    m = re.fullmatch(r"([a-z]+)(\d+)", opt)
+    if m and m.group(1) in _INT_OPTIONS:
+      kw[_INT_OPTIONS[m.group(1)]] = int(m.group(2))
+    elif opt in _FLAG_OPTIONS:
+      key, value = _FLAG_OPTIONS[opt]
+      kw[key] = value
+    else:
+      known = [f"{p}<N>" for p in _INT_OPTIONS] + list(_FLAG_OPTIONS)
+      raise ValueError(f"variant {name!r}: unknown option {opt!r} ({', '.join(known)})")
+  with pallas_gpu.configured(**kw):   # bad values raise before any device time is spent
+    pass
+  return kw
+
+
 def parse_variant(name):
-  """'fused' | 'split', then optional '-bv<N>', '-w<N>', '-nohoist' -> pallas_gpu.configured kw."""
+  """'fused' | 'split', then '-'-joined options -> pallas_gpu.configured keywords."""
   head, *opts = name.split("-")
   if head not in ("fused", "split"):
     raise ValueError(f"variant {name!r}: must start with 'fused' or 'split'")
-  kw = dict(split=head == "split")
-  for opt in opts:
-    if opt in pallas_gpu.INTRA_FWDS:
-      kw["intra_fwd"] = opt
-    elif opt == "tf32":
-      kw["wy_dots"] = "tf32"
-    elif opt in ("kblocks", "bstrips"):
-      kw["intra_bwd"] = "strips" if opt == "bstrips" else opt
-    elif opt.startswith("sw") and opt[2:].isdigit():
-      kw["strip_warps"] = int(opt[2:])
-    elif opt.startswith("cw") and opt[2:].isdigit():
-      kw["columns_warps"] = int(opt[2:])
-    elif opt.startswith("ibk") and opt[3:].isdigit():
-      kw["intra_bk"] = int(opt[3:])
-    elif opt.startswith("iw") and opt[2:].isdigit():
-      kw["intra_warps"] = int(opt[2:])
-    elif opt.startswith("bv") and opt[2:].isdigit():
-      kw["bv"] = int(opt[2:])
-    elif opt.startswith("w") and opt[1:].isdigit():
-      kw["state_warps"] = int(opt[1:])
-    elif opt == "nohoist" and head == "split":
-      kw["hoist_qdo"] = False
-    else:
-      raise ValueError(f"variant {name!r}: unknown option {opt!r} (bv<N>, w<N>, nohoist, "
-                       "columns|levels|strips, cw<N>, sw<N>, ibk<N>, iw<N>, tf32, kblocks|bstrips)")
-  with pallas_gpu.configured(**kw):   # validates bv / warps before anything runs
-    pass
-  return kw
+  return dict(split=head == "split", **parse_options(name, opts))
 
 
 def _err(a, b):

@@ -22,7 +22,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kda_kernel import median_call_ms  # noqa: E402
+from benchmarks.kda_kernel import (_inputs, median_call_ms, parse_options,  # noqa: E402
+                                   parse_variant)
 from pallas_kernels.kda import intra as intra_lib  # noqa: E402
 from pallas_kernels.kda import pallas_gpu as pg  # noqa: E402
 
@@ -33,12 +34,9 @@ F32 = jnp.float32
 def profile(b, t, h, lines, variants, intra_variants, interpret=False):
   rng = np.random.default_rng(0)
   kk = vv = 128
-  n = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  q = jnp.asarray(n(rng.standard_normal((b, t, h, kk))), jnp.bfloat16)
-  k = jnp.asarray(n(rng.standard_normal((b, t, h, kk))), jnp.bfloat16)
-  v = jnp.asarray(rng.standard_normal((b, t, h, vv)), jnp.bfloat16)
-  g = jnp.asarray(-5 / (1 + np.exp(-(rng.standard_normal((b, t, h, kk)) - 1))), F32)
-  beta = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((b, t, h)))), F32)
+  q, k, v, g, beta = _inputs(rng, b, t, h, "bf16")
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  g, beta = jnp.asarray(g), jnp.asarray(beta)
   cnt = jnp.zeros((b, t), F32)
   s0 = jnp.zeros((b, h, kk, vv), F32)
   scale = kk ** -0.5
@@ -70,8 +68,9 @@ def profile(b, t, h, lines, variants, intra_variants, interpret=False):
           lambda *a: pg.state_fwd(*a, save=True, **kw), qg, kt, w, u, aqk, d, s0)
       if opts.get("split"):
         rec(f"  split seq part [{name}]",
-            lambda kt, w, u, d, s0: pg._state_fwd_seq(kt, w, u, d, s0, chunk=C, interpret=interpret,
-                                                      bv=pg.block_v(vv), warps=pg.SETTINGS.state_warps),
+            lambda kt, w, u, d, s0: pg._state_fwd_seq(
+                kt, w, u, d, s0, chunk=C, interpret=interpret, bv=pg.block_v(vv),
+                warps=pg.SETTINGS.state_warps),
             kt, w, u, d, s0)
       o, sf, hs, delta = jax.jit(lambda *a: pg.state_fwd(*a, save=True, **kw))(
           qg, kt, w, u, aqk, d, s0)
@@ -97,36 +96,15 @@ def profile(b, t, h, lines, variants, intra_variants, interpret=False):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default="2x8192x16")
-  ap.add_argument("--variants", default="fused,split")
+  ap.add_argument("--variants", default="fused,split", help="kda_kernel.py variant names")
   ap.add_argument("--intra-variants", default="default",
-                  help="comma list of 'default' or '-'-joined columns|levels|strips, cw<N>, sw<N>, bk<N>w<M>, tf32, kblocks|bstrips")
+                  help="comma list of 'default' or '-'-joined options of kda_kernel.py's variants "
+                       "(e.g. strips-sw4-ibk32-iw8-bstrips)")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
   a = ap.parse_args()
-  variants = []
-  for v in a.variants.split(","):
-    variants.append((v, dict(split=v.startswith("split"),
-                             **({"bv": int(v.split("bv")[1])} if "bv" in v else {}))))
-  intra_variants = []
-  for v in a.intra_variants.split(","):
-    if v == "default":
-      intra_variants.append((v, {}))
-    else:
-      kw = {}
-      for opt in v.split("-"):
-        if opt in pg.INTRA_FWDS:
-          kw["intra_fwd"] = opt
-        elif opt.startswith("cw"):
-          kw["columns_warps"] = int(opt[2:])
-        elif opt.startswith("sw"):
-          kw["strip_warps"] = int(opt[2:])
-        elif opt == "tf32":
-          kw["wy_dots"] = "tf32"
-        elif opt in ("kblocks", "bstrips"):
-          kw["intra_bwd"] = "strips" if opt == "bstrips" else opt
-        else:
-          bk, warps = opt[2:].split("w")
-          kw.update(intra_bk=int(bk), intra_warps=int(warps))
-      intra_variants.append((v, kw))
+  variants = [(v, parse_variant(v)) for v in a.variants.split(",")]
+  intra_variants = [(v, {} if v == "default" else parse_options(v, v.split("-")))
+                    for v in a.intra_variants.split(",")]
   lines = [f"jax {jax.__version__} {jax.devices()}"]
   for shape in a.shapes.split(","):
     b, t, h = map(int, shape.split("x"))
