@@ -143,7 +143,7 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
   dv = v.shape[-1]
   n = t // chunk
   st = q.dtype
-  tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
+  tok = functools.partial(_tok, chunk)
   columns = SETTINGS.intra_fwd == "columns"
   if columns:
     kernel = functools.partial(kernels.intra_kernel, scale=scale, sub=SUB, mm_dtype=st)
@@ -164,9 +164,9 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
   return tuple(outs) if save else tuple(outs[:5]) + (None, None)
 
 
-def _cnt_col(rows):
-  """cnt [B, T, 1] rows of one block of `rows` tokens (grid (B, blocks, H))."""
-  return pl.BlockSpec((None, rows, 1), lambda ib, ic, ih: (ib, ic, 0))
+def _cnt_col(rows, per=1):
+  """cnt [B, T, 1] rows of block P // per of `rows` tokens (grid (B, P, H); see _tok)."""
+  return pl.BlockSpec((None, rows, 1), lambda ib, ip, ih: (ib, ip // per, 0))
 
 
 def _cnt_row(chunk, strips=1):
@@ -184,9 +184,8 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
   sub = min(SUB, chunk)
   strips = chunk // sub
   bk = _intra_bk(dk, st)
-  strip = lambda d: pl.BlockSpec((None, sub, None, d), lambda ib, ip, ih: (ib, ip, ih, 0))
-  whole = lambda d: pl.BlockSpec((None, chunk, None, d),
-                                 lambda ib, ip, ih: (ib, ip // strips, ih, 0))
+  strip = functools.partial(_tok, sub)
+  whole = lambda d: _tok(chunk, d, strips)
   cnt_row = cnt.reshape(b, n, 1, chunk)
   aqk, akk = pl.pallas_call(
       functools.partial(intra_levels.strip_scores_kernel, strips=strips, scale=scale, bk=bk,
@@ -199,7 +198,7 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
                  jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
       interpret=interpret, compiler_params=None if interpret else _params(SETTINGS.strip_warps, 1),
   )(q, k, gam, k, gam, cnt[..., None], cnt_row)
-  tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
+  tok = functools.partial(_tok, chunk)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]
   out_specs = [tok(dk), tok(dv), tok(dk), tok(dk)]
   if save:
@@ -239,9 +238,24 @@ def _decay_spec(n, dk):
   return pl.BlockSpec((None, n, None, dk, 1), lambda ib, ih, iv: (ib, 0, ih, 0, 0))
 
 
-def _tok(chunk, d):
-  """One chunk's [C, d] tile of a [B, T, H, d] array for grid (B, N, H)."""
-  return pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
+def _tok(rows, d, per=1):
+  """A [rows, d] tile of a [B, T, H, d] array for grid (B, P, H): block P // per along T. With
+  per = 1 one block per program (a chunk, or a strip when rows is a strip); with `per` programs
+  per chunk (strips, K-blocks) each sees its whole chunk."""
+  return pl.BlockSpec((None, rows, None, d), lambda ib, ip, ih: (ib, ip // per, ih, 0))
+
+
+def _col_block(chunk, width, per):
+  """Columns (P % per)·width … of chunk P // per, [C, width], of a [B, T, H, ·] array (grid
+  (B, P, H) with `per` programs per chunk: K-blocks, or a strip's columns of a [T, C] matrix)."""
+  return pl.BlockSpec((None, chunk, None, width),
+                      lambda ib, ip, ih: (ib, ip // per, ih, ip % per))
+
+
+def _chunk_vec(width, per=1):
+  """Columns (P % per)·width … of a per-chunk [1, K] row in a [B, N, H, 1, K] array."""
+  return pl.BlockSpec((None, None, None, 1, width),
+                      lambda ib, ip, ih: (ib, ip // per, ih, 0, ip % per))
 
 
 def _chunk_state(dk, dv):
@@ -465,8 +479,8 @@ def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):
   (dqg, dw, dkt [B,T,H,K], daqk [B,T,H,C], dd [B,N,H,K,1])."""
   b, n, h, dk, dv = hs.shape
   t = n * chunk
-  tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
-  state = pl.BlockSpec((None, None, None, dk, dv), lambda ib, ic, ih: (ib, ic, ih, 0, 0))
+  tok = functools.partial(_tok, chunk)
+  state = _chunk_state(dk, dv)
   kernel = functools.partial(kernels.chunk_bwd_kernel, mm_dtype=hs.dtype)
   return pl.pallas_call(
       kernel, grid=(b, n, h),
@@ -492,7 +506,7 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   dv = v.shape[-1]
   n = t // chunk
   bk = _intra_bk(dk, q.dtype)
-  tok = lambda d_: pl.BlockSpec((None, chunk, None, d_), lambda ib, ic, ih: (ib, ic, ih, 0))
+  tok = functools.partial(_tok, chunk)
   ddl = (dd * d).reshape(b, n, h, 1, dk)                    # [K, 1] and [1, K]: same memory order
   cnt_row = cnt.reshape(b, n, 1, chunk)
   params = None if interpret else _params(SETTINGS.intra_warps, 1)
@@ -500,13 +514,12 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   grad_shapes = [jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, t, h, 1), F32)]
   if SETTINGS.intra_bwd == "chunk":
-    row_k = pl.BlockSpec((None, None, None, 1, dk), lambda ib, ic, ih: (ib, ic, ih, 0, 0))
     dq, dk_, dv_, dbeta, dg = pl.pallas_call(
         functools.partial(intra_levels.intra_bwd_kernel, scale=scale, bk=bk, mm_dtype=q.dtype),
         grid=(b, n, h),
         in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), _cnt_row(chunk),
                   tok(chunk), tok(chunk), tok(dk), tok(dv),
-                  tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk), row_k],
+                  tok(chunk), tok(dk), tok(dv), tok(dk), tok(dk), _chunk_vec(dk)],
         out_specs=[tok(dk), tok(dk), tok(dv), tok(1), tok(dk)],
         out_shape=k_shapes + grad_shapes + [jax.ShapeDtypeStruct((b, t, h, dk), F32)],
         interpret=interpret, compiler_params=params,
@@ -527,19 +540,16 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
                                 ddl, scale=scale, chunk=chunk, bk=bk, interpret=interpret)
     return dq, dk_, dv_, dbeta, dg
   nkb = dk // bk
-  kblk = lambda: pl.BlockSpec((None, chunk, None, bk),
-                              lambda ib, ip, ih: (ib, ip // nkb, ih, ip % nkb))
-  whole = lambda d_: pl.BlockSpec((None, chunk, None, d_),
-                                  lambda ib, ip, ih: (ib, ip // nkb, ih, 0))
+  kblk = lambda: _col_block(chunk, bk, nkb)
+  whole = lambda d_: _tok(chunk, d_, nkb)
   dq, dk_, dg = pl.pallas_call(
       functools.partial(intra_levels.score_bwd_kernel, scale=scale, mm_dtype=q.dtype),
       grid=(b, n * nkb, h),
       in_specs=[kblk(), kblk(), kblk(), whole(1),
-                pl.BlockSpec((None, chunk, 1), lambda ib, ip, ih: (ib, ip // nkb, 0)),
+                _cnt_col(chunk, nkb),
                 _cnt_row(chunk, nkb), whole(chunk), whole(chunk), whole(chunk),
                 kblk(), kblk(), kblk(),
-                pl.BlockSpec((None, None, None, 1, bk),
-                             lambda ib, ip, ih: (ib, ip // nkb, ih, 0, ip % nkb))],
+                _chunk_vec(bk, nkb)],
       out_specs=[kblk(), kblk(), kblk()],
       out_shape=k_shapes + [jax.ShapeDtypeStruct((b, t, h, dk), F32)],
       interpret=interpret, compiler_params=params,
@@ -556,12 +566,10 @@ def _grads_strips(q, k, gam, beta, cnt, cnt_row, inv, daqk, dakk, dw, dqg, dkt, 
   n = t // chunk
   sub = min(SUB, chunk)
   strips = chunk // sub
-  strip = lambda d: pl.BlockSpec((None, sub, None, d), lambda ib, ip, ih: (ib, ip, ih, 0))
-  whole = lambda d: pl.BlockSpec((None, chunk, None, d),
-                                 lambda ib, ip, ih: (ib, ip // strips, ih, 0))
-  col_block = pl.BlockSpec((None, chunk, None, sub),
-                           lambda ib, ip, ih: (ib, ip // strips, ih, ip % strips))
-  cnt_chunk = pl.BlockSpec((None, chunk, 1), lambda ib, ip, ih: (ib, ip // strips, 0))
+  strip = functools.partial(_tok, sub)
+  whole = lambda d: _tok(chunk, d, strips)
+  col_block = _col_block(chunk, sub, strips)
+  cnt_chunk = _cnt_col(chunk, strips)
   params = None if interpret else _params(SETTINGS.strip_warps, 1)
   dq, dk_, dgam = pl.pallas_call(
       functools.partial(intra_levels.strip_grads_kernel, strips=strips, scale=scale, bk=bk,
@@ -576,12 +584,12 @@ def _grads_strips(q, k, gam, beta, cnt, cnt_row, inv, daqk, dakk, dw, dqg, dkt, 
       interpret=interpret, compiler_params=params,
   )(q, k, gam, q, k, gam, beta[..., None], cnt[..., None], cnt[..., None], cnt_row, daqk, dakk,
     daqk, dakk, inv, dw, dqg, dkt)
-  tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda ib, ic, ih: (ib, ic, ih, 0))
+  tok = functools.partial(_tok, chunk)
   dg = pl.pallas_call(
       functools.partial(intra_levels.dg_kernel, bk=bk, mm_dtype=q.dtype),
       grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dk), _cnt_col(chunk), tok(dk),
-                pl.BlockSpec((None, None, None, 1, dk), lambda ib, ic, ih: (ib, ic, ih, 0, 0))],
+                _chunk_vec(dk)],
       out_specs=tok(dk), out_shape=jax.ShapeDtypeStruct((b, t, h, dk), F32),
       interpret=interpret, compiler_params=None if interpret else _params(4, 1),
   )(dgam, k, gam, cnt[..., None], dkt, ddl)
