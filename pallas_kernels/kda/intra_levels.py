@@ -193,6 +193,12 @@ def _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, q
   return inv
 
 
+def _earlier_rows(kc, gamc, ref, before):
+  """K ⊙ e^{Γ_ref − Γ} on the chunk rows before the strip (0 elsewhere; every factor ≤ 1):
+  the column operand of the pairs (r in the strip, s in an earlier strip)."""
+  return jnp.where(before, kc * jnp.exp(jnp.where(before, ref - gamc, 0.0)), 0.0)
+
+
 def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_ref,
                         aqk_ref, akk_ref, *, strips, scale, bk, mm_dtype):
   """Rows of A_qk and A_kk for one strip of `sub` rows of a chunk (the "strips" forward: one
@@ -213,15 +219,10 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   before = _iota((c, 1), 0) < base
 
   def k_block(kb, carry):
-    cols = pl.ds(kb * bk, bk)
-    q = q_ref[:, cols].astype(F32) * scale
-    k = k_ref[:, cols].astype(F32)
-    gam = gam_ref[:, cols]
+    cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
     ref = gamc_ref[pl.ds(base, 1), cols]                   # Γ of the strip's first row
     e_row = jnp.exp(gam - ref)
-    gamc = gamc_ref[:, cols]
-    k_back = jnp.where(before, kc_ref[:, cols].astype(F32)
-                       * jnp.exp(jnp.where(before, ref - gamc, 0.0)), 0.0)
+    k_back = _earlier_rows(kc_ref[:, cols].astype(F32), gamc_ref[:, cols], ref, before)
     a_qk, a_kk = carry
     a_qk = a_qk + mm_nt(q * e_row, k_back, mm_dtype)
     a_kk = a_kk + mm_nt(k * e_row, k_back, mm_dtype)
@@ -414,26 +415,22 @@ def strip_grads_kernel(q_ref, k_ref, gam_ref, qc_ref, kc_ref, gamc_ref, beta_ref
                         daqk_cols_ref[...].astype(F32), 0.0)
   dakk_rows = dakk_rows_ref[...]
   dakk_cols = dakk_cols_ref[...]
-  # The strip's diagonal block transposed ([s, r]), for the in-strip column side.
-  diag_ok = (cnt == cnt_strip_row) & (lcol <= local)      # [r, s]: s ≤ r, one segment
-  dq_diag_t = jnp.transpose(jnp.where(diag_ok, daqk_rows_ref[:, pl.ds(base, sub)].astype(F32),
-                                      0.0))
-  dk_diag_t = jnp.transpose(dakk_rows_ref[:, pl.ds(base, sub)])
+  # The strip's diagonal [sub, sub] blocks ([r, s]) give the in-strip coefficients: the row side
+  # reads their columns, the column side the columns of their transposes ([s, r]).
+  diag_ok = (cnt == cnt_strip_row) & (lcol <= local)      # s ≤ r, one segment
+  dq_diag = jnp.where(diag_ok, daqk_rows_ref[:, pl.ds(base, sub)].astype(F32), 0.0)
+  dk_diag = dakk_rows_ref[:, pl.ds(base, sub)]
+  dq_diag_t, dk_diag_t = jnp.transpose(dq_diag), jnp.transpose(dk_diag)
   inv_cols = inv_cols_ref[...]
 
   def k_block(kb, _):
-    cols = pl.ds(kb * bk, bk)
-    q = q_ref[:, cols].astype(F32) * scale
-    k = k_ref[:, cols].astype(F32)
-    gam = gam_ref[:, cols]
-    qc = qc_ref[:, cols].astype(F32) * scale
-    kc = kc_ref[:, cols].astype(F32)
-    gamc = gamc_ref[:, cols]
+    cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
+    qc, kc, gamc = _k_block(qc_ref, kc_ref, gamc_ref, kb, bk, scale)[1:]
     ref = gamc_ref[pl.ds(base, 1), cols]
     refm = gamc_ref[pl.ds(nxt, 1), cols]
     e_row = jnp.exp(gam - ref)
     e_col = jnp.exp(refm - gam)
-    k_back = jnp.where(before, kc * jnp.exp(jnp.where(before, ref - gamc, 0.0)), 0.0)
+    k_back = _earlier_rows(kc, gamc, ref, before)
     e_fwd = jnp.where(after, jnp.exp(jnp.where(after, gamc - refm, 0.0)), 0.0)
     dq_a = e_row * mm(daqk_rows, k_back, mm_dtype)
     dk_row = e_row * mm(dakk_rows, k_back, mm_dtype)
@@ -448,14 +445,14 @@ def strip_grads_kernel(q_ref, k_ref, gam_ref, qc_ref, kc_ref, gamc_ref, beta_ref
       # Row side, column s = base + j of the strip (s ≤ r).
       later = local >= j
       k_dec = jnp.where(later, k_j * jnp.exp(jnp.where(later, gam - gam_j, 0.0)), 0.0)
-      at_j = col_g == base + j
-      dq_a = dq_a + jnp.sum(jnp.where(at_j, daqk_rows, 0.0), axis=1, keepdims=True) * k_dec
-      dk_row = dk_row + jnp.sum(jnp.where(at_j, dakk_rows, 0.0), axis=1, keepdims=True) * k_dec
+      at_j = lcol == j
+      dq_a = dq_a + jnp.sum(jnp.where(at_j, dq_diag, 0.0), axis=1, keepdims=True) * k_dec
+      dk_row = dk_row + jnp.sum(jnp.where(at_j, dk_diag, 0.0), axis=1, keepdims=True) * k_dec
       # Column side, row r = base + j of the strip (s ≤ r).
       earlier = local <= j
       e = jnp.where(earlier, jnp.exp(jnp.where(earlier, gam_j - gam, 0.0)), 0.0)
-      coef_q = jnp.sum(jnp.where(lcol == j, dq_diag_t, 0.0), axis=1, keepdims=True)
-      coef_k = jnp.sum(jnp.where(lcol == j, dk_diag_t, 0.0), axis=1, keepdims=True)
+      coef_q = jnp.sum(jnp.where(at_j, dq_diag_t, 0.0), axis=1, keepdims=True)
+      coef_k = jnp.sum(jnp.where(at_j, dk_diag_t, 0.0), axis=1, keepdims=True)
       dk_col = dk_col + e * (coef_q * q_j + coef_k * k_j)
       return dq_a, dk_row, dk_col
 
