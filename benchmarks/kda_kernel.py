@@ -8,7 +8,8 @@ the default) or "split" (sequential kernels only carry the state; output / local
 chunk-parallel kernels), with options joined by "-": bv<N> (V-block of the sequential kernels,
 default 32), w<N> (their num_warps, default 4), nohoist (split backward keeps Qgᵀ dO in the loop),
 columns / levels / strips (the forward intra kernel, Settings.intra_fwd), cw<N> / sw<N> (num_warps
-of the columns / strips score kernel), ibk<N> / iw<N> (K-block and num_warps of the levels
+of the columns / strips score kernel), ww<N> (num_warps of the strips WY kernel), sbk<N> (K-block of the strips score kernel),
+unroll (kblocks backward with the levels written out), ibk<N> / iw<N> (K-block and num_warps of the levels
 kernels, the strips WY kernel and the backward), tf32 (TF32 dots in the block-doubling WY inverse
 instead of bf16×3), kblocks / bstrips (the K-block- / strip-parallel intra backward).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
@@ -68,9 +69,10 @@ def _inputs(rng, b, t, h, dtype):
 
 # Variant options joined by "-": <prefix><N> integer settings and named flags (pallas_gpu.Settings).
 _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_warps",
-                "cw": "columns_warps", "sw": "strip_warps"}
+                "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps",
+                "sbk": "strip_bk"}
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
-                 "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
+                 "kblocks": ("intra_bwd", "kblocks"), "unroll": ("unroll_bwd", True), "bstrips": ("intra_bwd", "strips"),
                  **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
 
 

@@ -39,10 +39,10 @@ SASS_COUNTS = dict(sass=r"/\*[0-9a-f]{4,}\*/", mma=r"HMMA|HGMMA", bar=r"BAR", st
 def _warps(kernel_name: str) -> int:
   """num_warps each launcher in pallas_gpu.py passes for this kernel body."""
   s = pallas_gpu.SETTINGS
-  intra = ("intra_fwd_kernel", "wy_kernel", "wy_bwd_kernel", "score_bwd_kernel",
+  intra = ("intra_fwd_kernel", "wy_bwd_kernel", "score_bwd_kernel",
            "intra_bwd_kernel")
   return {"intra_kernel": s.columns_warps, "strip_scores_kernel": s.strip_warps,
-          "strip_grads_kernel": s.strip_warps, "dg_kernel": 4,
+          "strip_grads_kernel": s.strip_warps, "dg_kernel": 4, "wy_kernel": s.wy_warps,
           **{name: s.intra_warps for name in intra}, "chunk_bwd_kernel": 8,
           "out_kernel": 4, "bwd_local_kernel": 4}.get(kernel_name, s.state_warps)
 

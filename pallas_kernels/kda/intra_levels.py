@@ -60,11 +60,12 @@ def level_mask(c: int, half):
           & (lax.rem(col, size) < half))
 
 
-def level_decay(gam_ref, gam, cols, c: int, half):
-  """E_L [C, bk] = exp(−|Γ_x − Γ_{m(x)}|), m(x) the middle row of x's 2L-block."""
+def level_decay(gam_ref, gam, cols, c: int, half, base=0):
+  """E_L [C, bk] = exp(−|Γ_x − Γ_{m(x)}|), m(x) the middle row of x's 2L-block; the rows are
+  rows base … base + C of `gam_ref` (a strip of a chunk when base > 0)."""
   size = 2 * half
   mid = lax.div(_iota((c,), 0), size) * size + half
-  return jnp.exp(-jnp.abs(gam - gam_ref[mid, cols]))
+  return jnp.exp(-jnp.abs(gam - gam_ref[base + mid, cols]))
 
 
 def _split(x):
@@ -97,17 +98,38 @@ def _half(i):
   return lax.shift_left(jnp.int32(1), i)
 
 
-def wy_inverse(n, mm_dtype, mode: str = "bf16x3"):
+def wy_inverse(n, mm_dtype, mode: str = "bf16x3", unroll: bool = False):
   """(I + N)⁻¹ for N [C, C] strictly lower, by block doubling (module docstring); `mode`: the
-  precise dots' ("bf16x3" or "tf32", see mm_precise)."""
+  precise dots' ("bf16x3" or "tf32", see mm_precise). `unroll` writes the levels out in Python
+  (small blocks: independent inverses then interleave)."""
   c = n.shape[0]
 
   def join(i, x):
-    n_l = jnp.where(level_mask(c, _half(i)), n, 0.0)
+    half = (1 << i) if unroll else _half(i)
+    n_l = jnp.where(level_mask(c, half), n, 0.0)
     return x - mm_precise(mm_precise(x, n_l, mm_dtype, mode=mode), x, mm_dtype, mode=mode)
 
-  eye = (_iota((c, c), 0) == _iota((c, c), 1)).astype(F32)
-  return lax.fori_loop(0, len(levels(c)), join, eye)
+  x = (_iota((c, c), 0) == _iota((c, c), 1)).astype(F32)
+  if not unroll:
+    return lax.fori_loop(0, len(levels(c)), join, x)
+  for i in range(len(levels(c))):
+    x = join(i, x)
+  return x
+
+
+def place_columns(block, base, width: int, mm_dtype):
+  """block [R, S] (fp32) as columns base … base + S of an [R, width] matrix, zeros elsewhere:
+  dots with a one-hot [S, width] matrix (exact: IEEE fp32, or three bf16 dots of a hi/mid/lo
+  split), since Triton has no dynamic-offset concatenation of register tiles."""
+  s = block.shape[1]
+  onehot = (_iota((s, width), 1) == base + _iota((s, width), 0)).astype(F32)
+  if jnp.dtype(mm_dtype) == F32:
+    return mm(block, onehot, F32)
+  hi = block.astype(BF16)
+  rest = block - hi.astype(F32)
+  mid = rest.astype(BF16)
+  lo = (rest - mid.astype(F32)).astype(BF16)
+  return mm(hi, onehot, BF16) + (mm(mid, onehot, BF16) + mm(lo, onehot, BF16))
 
 
 def _k_block(q_ref, k_ref, gam_ref, kb, bk: int, scale: float):
@@ -205,8 +227,8 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   small program per strip, as fla does, instead of one per chunk).
 
   Pairs with s in an earlier strip factor through the strip's first row m (s < m ≤ r: both
-  factors ≤ 1), one dot per K-block; pairs inside the strip are built one column s at a time
-  with the exact pairwise exponent masked before exp. Refs: q, k, gam [sub, K] (the strip);
+  factors ≤ 1), one dot per K-block; pairs inside the strip by levels (module docstring) on the
+  strip's [sub, sub] block, then placed in its columns. Refs: q, k, gam [sub, K] (the strip);
   kc, gamc [C, K] (its whole chunk); cnt [sub, 1]; cntr [1, C]. Writes aqk (masked to s ≤ r in
   one segment) and akk (s < r) [sub, C].
   """
@@ -215,7 +237,6 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   base = lax.rem(pl.program_id(1), strips) * sub         # first row of the strip in its chunk
   row = base + _iota((sub, c), 0)
   col = _iota((sub, c), 1)
-  local = _iota((sub, 1), 0)
   before = _iota((c, 1), 0) < base
 
   def k_block(kb, carry):
@@ -223,38 +244,92 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
     ref = gamc_ref[pl.ds(base, 1), cols]                   # Γ of the strip's first row
     e_row = jnp.exp(gam - ref)
     k_back = _earlier_rows(kc_ref[:, cols].astype(F32), gamc_ref[:, cols], ref, before)
-    a_qk, a_kk = carry
+    a_qk, a_kk, d_qk, d_kk, diag = carry
     a_qk = a_qk + mm_nt(q * e_row, k_back, mm_dtype)
     a_kk = a_kk + mm_nt(k * e_row, k_back, mm_dtype)
 
-    def column(j, acc):
-      k_j = kc_ref[pl.ds(base + j, 1), cols].astype(F32)
-      gam_j = gamc_ref[pl.ds(base + j, 1), cols]
-      valid = local >= j
-      k_dec = jnp.where(valid, k_j * jnp.exp(jnp.where(valid, gam - gam_j, 0.0)), 0.0)
-      target = col == base + j
-      a_qk, a_kk = acc
-      return (jnp.where(target, a_qk + jnp.sum(q * k_dec, axis=1, keepdims=True), a_qk),
-              jnp.where(target, a_kk + jnp.sum(k * k_dec, axis=1, keepdims=True), a_kk))
+    for half in levels(sub):       # unrolled: static L turns the index maths into shifts
+      e = level_decay(gamc_ref, gam, cols, sub, half, base)
+      ke = k * e
+      mask = level_mask(sub, half)
+      d_qk = d_qk + jnp.where(mask, mm_nt(q * e, ke, mm_dtype), 0.0)
+      d_kk = d_kk + jnp.where(mask, mm_nt(ke, ke, mm_dtype), 0.0)
+    return a_qk, a_kk, d_qk, d_kk, diag + jnp.sum(q * k, axis=1, keepdims=True)
 
-    return lax.fori_loop(0, sub, column, (a_qk, a_kk))
-
-  zeros = jnp.zeros((sub, c), F32)
-  a_qk, a_kk = lax.fori_loop(0, dk // bk, k_block, (zeros, zeros))
+  zeros, zeros_d = jnp.zeros((sub, c), F32), jnp.zeros((sub, sub), F32)
+  a_qk, a_kk, d_qk, d_kk, diag = lax.fori_loop(
+      0, dk // bk, k_block, (zeros, zeros, zeros_d, zeros_d, jnp.zeros((sub, 1), F32)))
+  d_qk = jnp.where(_iota((sub, sub), 0) == _iota((sub, sub), 1), diag, d_qk)
+  a_qk = a_qk + place_columns(d_qk, base, c, mm_dtype)
+  a_kk = a_kk + place_columns(d_kk, base, c, mm_dtype)
   same = cnt_ref[...] == cntr_ref[...]
   aqk_ref[...] = jnp.where(same & (col <= row), a_qk, 0.0).astype(aqk_ref.dtype)
   akk_ref[...] = jnp.where(same & (col < row), a_kk, 0.0)
 
 
 def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
-              w_ref, u_ref, qg_ref, kt_ref, *inv_ref, scale, bk, mm_dtype, wy_dots="bf16x3"):
-  """Second kernel of the "strips" forward, one chunk: `_write_wy` from the strips' A_kk
-  [C, C]; writes X too when `inv_ref` is given (training)."""
-  inv = _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta_ref[...].astype(F32), akk_ref[...],
-                  w_ref, u_ref, qg_ref, kt_ref, scale=scale, bk=bk, mm_dtype=mm_dtype,
-                  wy_dots=wy_dots)
+              w_ref, u_ref, qg_ref, kt_ref, *inv_ref, scale, bk, mm_dtype, wy_dots="bf16x3",
+              sub=16):
+  """Second kernel of the "strips" forward, one chunk, in [sub, sub] blocks so the live tiles
+  stay small: X = (I + N)⁻¹ (N = Diag(β) A_kk) by block forward substitution — X_ii = (I +
+  N_ii)⁻¹ by block doubling, X_ij = −X_ii Σ_{j≤m<i} N_im X_mj — then W_i = Σ_j X_ij Diag(β)
+  e^Γ⊙K_j (rows that see S₀), U_i = Σ_j X_ij Diag(β) V_j, e^Γ⊙Q and e^{Γ_C−Γ}⊙K (rows of the
+  last segment). Writes X [C, C] fp32 too when `inv_ref` is given (training)."""
+  c, dk = q_ref.shape
+  dv = v_ref.shape[1]
+  nb = c // sub
+  rows = [pl.ds(i * sub, sub) for i in range(nb)]
+  beta = [beta_ref[r, :].astype(F32) for r in rows]                     # [sub, 1] each
+  cnt = [cnt_ref[r, :] for r in rows]
+  cnt_last = cnt_ref[pl.ds(c - 1, 1), :]
+  dot = lambda a, b: mm_precise(a, b, mm_dtype, mode=wy_dots)
+  x = {}
+  for i in range(nb):
+    x[i, i] = wy_inverse(beta[i] * akk_ref[rows[i], rows[i]], mm_dtype, wy_dots, unroll=True)
+  for i in range(1, nb):
+    n_i = [beta[i] * akk_ref[rows[i], rows[m]] for m in range(i)]
+    for j in range(i - 1, -1, -1):
+      acc = dot(n_i[j], x[j, j])
+      for m in range(j + 1, i):
+        acc = acc + dot(n_i[m], x[m, j])
+      x[i, j] = -dot(x[i, i], acc)
+  x_mm = {key: val.astype(mm_dtype) for key, val in x.items()}
+
+  def out_block(kb, _):
+    cols = pl.ds(kb * bk, bk)
+    gam_last = gam_ref[pl.ds(c - 1, 1), cols]
+    operands = []
+    for j in range(nb):
+      q = q_ref[rows[j], cols].astype(F32) * scale
+      k = k_ref[rows[j], cols].astype(F32)
+      gam = gam_ref[rows[j], cols]
+      decay = jnp.exp(gam)
+      sees = cnt[j] == 0.0
+      operands.append(beta[j] * jnp.where(sees, k * decay, 0.0))
+      qg_ref[rows[j], cols] = jnp.where(sees, q * decay, 0.0).astype(qg_ref.dtype)
+      tail = jnp.where(cnt[j] == cnt_last, jnp.exp(gam_last - gam), 0.0)
+      kt_ref[rows[j], cols] = (k * tail).astype(kt_ref.dtype)
+    for i in range(nb):
+      acc = mm(x_mm[i, 0], operands[0], mm_dtype)
+      for j in range(1, i + 1):
+        acc = acc + mm(x_mm[i, j], operands[j], mm_dtype)
+      w_ref[rows[i], cols] = acc.astype(w_ref.dtype)
+    return _
+
+  lax.fori_loop(0, dk // bk, out_block, 0)
+  for vb in range(max(dv // bk, 1)):
+    cols = pl.ds(vb * bk, min(bk, dv))
+    operands = [beta[j] * v_ref[rows[j], cols].astype(F32) for j in range(nb)]
+    for i in range(nb):
+      acc = mm(x_mm[i, 0], operands[0], mm_dtype)
+      for j in range(1, i + 1):
+        acc = acc + mm(x_mm[i, j], operands[j], mm_dtype)
+      u_ref[rows[i], cols] = acc.astype(u_ref.dtype)
   if inv_ref:
-    inv_ref[0][...] = inv
+    zero = jnp.zeros((sub, sub), F32)
+    for i in range(nb):
+      for j in range(nb):
+        inv_ref[0][rows[i], rows[j]] = x[i, j] if j <= i else zero
 
 
 def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, akk_ref, inv_ref,
@@ -287,13 +362,13 @@ def wy_bwd_kernel(k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, akk_ref, i
 
 def score_bwd_kernel(q_ref, k_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, inv_ref, daqk_ref,
                      dakk_ref, dw_ref, dqg_ref, dkt_ref, ddl_ref, dq_ref, dk_ref, dg_ref, *,
-                     scale, mm_dtype):
+                     scale, mm_dtype, unroll=False):
   """Second kernel of the K-block-parallel backward: `_score_grads` for one chunk and one block
   of K columns (the per-column gradients need nothing from other columns once dA is known).
   Refs q, k, gam, dw, dqg, dkt, outputs [C, bk]; ddl [1, bk]; inv, daqk, dakk [C, C]."""
   _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta_ref[...].astype(F32), inv_ref[...],
                daqk_ref, dakk_ref[...], dw_ref, dqg_ref, dkt_ref, ddl_ref, dq_ref, dk_ref, dg_ref,
-               scale=scale, bk=q_ref.shape[1], mm_dtype=mm_dtype)
+               scale=scale, bk=q_ref.shape[1], mm_dtype=mm_dtype, unroll=unroll)
 
 
 def _wy_bwd(k_ref, v_ref, gam_ref, cnt_ref, cntr_ref, beta, akk_ref, inv, w_ref, u_ref, dw_ref,
@@ -326,7 +401,8 @@ def _wy_bwd(k_ref, v_ref, gam_ref, cnt_ref, cntr_ref, beta, akk_ref, inv, w_ref,
 
 
 def _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta, inv, daqk_ref, dakk, dw_ref,
-                 dqg_ref, dkt_ref, ddl_ref, dq_ref, dk_ref, dg_ref, *, scale, bk, mm_dtype):
+                 dqg_ref, dkt_ref, ddl_ref, dq_ref, dk_ref, dg_ref, *, scale, bk, mm_dtype,
+                 unroll=False):
   """Everything after the WY backward, per block of `bk` columns of the refs: the score
   gradients by level, the elementwise decays, and dg (reverse in-chunk cumsum of dΓ as one precise
   dot, with the state-decay cotangent on the last row). dakk: masked dA_kk [C, C]."""
@@ -347,7 +423,7 @@ def _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta, inv, daqk_ref, 
     # Score gradients: dq_a (row side of A_qk), dk_row (row side of A_kk), dk_col (column sides).
     def level(i, acc):
       dq_a, dk_row, dk_col = acc
-      half = _half(i)
+      half = (1 << i) if unroll else _half(i)
       mask = level_mask(c, half)
       daqk_l = jnp.where(mask, daqk, 0.0)
       dakk_l = jnp.where(mask, dakk, 0.0)
@@ -357,8 +433,13 @@ def _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta, inv, daqk_ref, 
               dk_row + e * mm(dakk_l, ke, mm_dtype),
               dk_col + e * (mm_tn(daqk_l, qe, mm_dtype) + mm_tn(dakk_l, ke, mm_dtype)))
 
-    dq_a, dk_row, dk_col = lax.fori_loop(0, n_lev, level,
-                                         (d_diag * k, jnp.zeros_like(k), d_diag * q))
+    acc = (d_diag * k, jnp.zeros_like(k), d_diag * q)
+    if unroll:                      # static L: the masks' and gathers' index maths are shifts
+      for i in range(n_lev):
+        acc = level(i, acc)
+      dq_a, dk_row, dk_col = acc
+    else:
+      dq_a, dk_row, dk_col = lax.fori_loop(0, n_lev, level, acc)
     decay = jnp.exp(gam)
     e_tail = jnp.where(in_last, jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
     kt = k * e_tail

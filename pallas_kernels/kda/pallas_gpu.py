@@ -15,7 +15,9 @@ Two variants of the state passes, same contracts and the same numbers (see kerne
   computes dΔ_local = A_qkᵀ dO and (hoist_qdo) dS_local = Qgᵀ dO first, and the loop does
   dΔ = dΔ_local + Kt dS', dS = dS_local + d⊙dS' − Wᵀ dΔ (2 dots; 3 without hoist_qdo, which
   saves the fp32 [B,N,H,K,V] dS_local buffer).
-The intra-chunk kernels come in variants too (`intra`, `intra_bwd`). All choices live in one
+The intra-chunk kernels come in variants too (`intra`, `intra_bwd`); the defaults are the "strips"
+forward (scores per 16-row strip, then the WY inverse per chunk in 16-row blocks) and the
+"kblocks" backward (WY backward per chunk, score gradients per chunk and K-block). All choices live in one
 frozen `Settings` (module default SETTINGS); state launchers also take theirs as keywords;
 `configured` swaps the settings for a block of code (benchmarks, tests).
 """
@@ -45,18 +47,22 @@ class Settings:
   bv: int = 32                 # V-columns per sequential state program (power of two >= 16)
   hoist_qdo: bool = True       # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V])
   state_warps: int = 4         # num_warps of the sequential state kernels
-  intra_fwd: str = "columns"   # forward intra kernel: "columns", "levels" or "strips" (see intra)
-  intra_bwd: str = "chunk"     # backward intra kernel: "chunk", "kblocks" or "strips" (intra_bwd)
-  intra_bk: int = 32           # K-columns per block in the levels / strips / backward kernels
-  intra_warps: int = 8         # num_warps of those kernels
+  # Defaults: the fastest measured on an H200 (benchmarks/kda_kernel.md, session 5).
+  intra_fwd: str = "strips"    # forward intra kernel: "columns", "levels" or "strips" (see intra)
+  intra_bwd: str = "kblocks"   # backward intra kernel: "chunk", "kblocks" or "strips" (intra_bwd)
+  intra_bk: int = 32           # K-columns per block in the levels / WY / backward kernels
+  intra_warps: int = 4         # num_warps of the levels and backward kernels
   columns_warps: int = 8       # num_warps of the "columns" forward kernel
-  strip_warps: int = 2         # num_warps of the "strips" score kernel (one 16-row strip each)
+  strip_warps: int = 1         # num_warps of the "strips" score kernel (one 16-row strip each)
+  wy_warps: int = 2            # num_warps of the "strips" WY kernel (one chunk in 16-row blocks)
+  strip_bk: int = 32           # K-columns per block in the "strips" score kernel
+  unroll_bwd: bool = False     # "kblocks" backward: levels written out (static masks) or a loop
   wy_dots: str = "bf16x3"      # dots of the block-doubling WY inverse: "bf16x3" or "tf32"
 
   def __post_init__(self):
-    for name in ("bv", "intra_bk"):
+    for name in ("bv", "intra_bk", "strip_bk"):
       _check_bv(getattr(self, name), name)
-    for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps"):
+    for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps"):
       _check_warps(getattr(self, name), name)
     for name, allowed in (("intra_fwd", INTRA_FWDS), ("intra_bwd", INTRA_BWDS),
                           ("wy_dots", ("bf16x3", "tf32"))):
@@ -119,11 +125,11 @@ def _variant(split, bv, dv, warps):
   return split, block_v(dv, bv), warps
 
 
-def _intra_bk(dk: int, dtype) -> int:
-  """K-block of the levels kernels: SETTINGS.intra_bk, and at most 16 for fp32 inputs (IEEE fp32
-  dots stage more shared memory; an H200 run at 64 overflowed it, and fp32 is the checking
-  path)."""
-  bk = SETTINGS.intra_bk
+def _intra_bk(dk: int, dtype, bk: int | None = None) -> int:
+  """K-block of the levels kernels (SETTINGS.intra_bk unless `bk` is given), at most 16 for fp32
+  inputs (IEEE fp32 dots stage more shared memory; an H200 run at 64 overflowed it, and fp32 is
+  the checking path)."""
+  bk = SETTINGS.intra_bk if bk is None else bk
   return min(dk, bk if jnp.dtype(dtype) != F32 else min(bk, 16))
 
 
@@ -133,7 +139,7 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
              a time, WY inverse row by row);
   "levels":  intra_levels.intra_fwd_kernel, one program per chunk, dots only;
   "strips":  intra_levels.strip_scores_kernel, one program per 16-row strip, then
-             intra_levels.wy_kernel per chunk (block-doubling inverse, W, U).
+             intra_levels.wy_kernel per chunk (inverse by 16-row blocks, W, U).
   Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V] in q's dtype (the dots' operand dtype),
   then, when `save` (training), akk, inv [B,T,H,C] fp32 for the backward (else None, None)."""
   if SETTINGS.intra_fwd == "strips":
@@ -188,8 +194,8 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
   whole = lambda d: _tok(chunk, d, strips)
   cnt_row = cnt.reshape(b, n, 1, chunk)
   aqk, akk = pl.pallas_call(
-      functools.partial(intra_levels.strip_scores_kernel, strips=strips, scale=scale, bk=bk,
-                        mm_dtype=st),
+      functools.partial(intra_levels.strip_scores_kernel, strips=strips, scale=scale,
+                        bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st),
       grid=(b, n * strips, h),
       in_specs=[strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), _cnt_col(sub),
                 _cnt_row(chunk, strips)],
@@ -205,11 +211,12 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
     shapes.append(jax.ShapeDtypeStruct((b, t, h, chunk), F32))
     out_specs.append(tok(chunk))
   outs = pl.pallas_call(
-      functools.partial(intra_levels.wy_kernel, scale=scale, bk=bk, mm_dtype=st, wy_dots=SETTINGS.wy_dots),
+      functools.partial(intra_levels.wy_kernel, scale=scale, bk=bk, mm_dtype=st,
+                        wy_dots=SETTINGS.wy_dots, sub=sub),
       grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), tok(chunk)],
       out_specs=out_specs, out_shape=shapes, interpret=interpret,
-      compiler_params=None if interpret else _params(SETTINGS.intra_warps, 1),
+      compiler_params=None if interpret else _params(SETTINGS.wy_warps, 1),
   )(q, k, v, gam, beta[..., None], cnt[..., None], akk)
   w, u, qg, kt = outs[:4]
   return (aqk, w, u, qg, kt) + ((akk, outs[4]) if save else (None, None))
@@ -543,7 +550,8 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   kblk = lambda: _col_block(chunk, bk, nkb)
   whole = lambda d_: _tok(chunk, d_, nkb)
   dq, dk_, dg = pl.pallas_call(
-      functools.partial(intra_levels.score_bwd_kernel, scale=scale, mm_dtype=q.dtype),
+      functools.partial(intra_levels.score_bwd_kernel, scale=scale, mm_dtype=q.dtype,
+                        unroll=SETTINGS.unroll_bwd),
       grid=(b, n * nkb, h),
       in_specs=[kblk(), kblk(), kblk(), whole(1),
                 _cnt_col(chunk, nkb),

@@ -28,9 +28,9 @@ VARIANTS = {
     "pallas_gpu": ("pallas_gpu", None),
     "pallas_gpu_split": ("pallas_gpu", dict(split=True)),
     "pallas_gpu_split_bv64_nohoist": ("pallas_gpu", dict(split=True, bv=64, hoist_qdo=False)),
-    "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64)),
-    "pallas_gpu_strips_kblocks": ("pallas_gpu", dict(intra_fwd="strips", intra_bwd="kblocks")),
-    "pallas_gpu_strips": ("pallas_gpu", dict(intra_fwd="strips", intra_bwd="strips")),
+    "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
+    "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
+    "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16)),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -88,7 +88,7 @@ def packed_results(variant, dtype_name):
 
 
 @pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist", "pallas_gpu_levels",
-                                     "pallas_gpu_strips_kblocks", "pallas_gpu_strips"))
+                                     "pallas_gpu_columns_chunk", "pallas_gpu_strips"))
 def test_packed_fp32_matches_reference(backend):
   o_ref, s_ref, g_ref = packed_results("reference", "float32")
   o, s, grads = packed_results(backend, "float32")
@@ -148,18 +148,21 @@ def _pallas_calls(fn, *args):
 
 
 def test_variant_switch_reaches_the_kernels():
-  # The variant is read at trace time: the fused forward has 2 kernels (intra, state), the split
-  # one 3 (+ output); fwd+bwd 5 vs 7 (+ output, + local backward). `configured` clears JAX's
-  # caches, so switching back and forth inside one process retraces every time.
+  # The variant is read at trace time: the default fused forward has 3 kernels (strip scores, WY,
+  # state), the split one 4 (+ output); fwd+bwd adds state_bwd, chunk_bwd, WY backward and score
+  # backward: 7, split 9 (+ output, + local backward); the columns forward is one intra kernel.
+  # `configured` clears JAX's caches, so switching back and forth inside one process retraces.
   q, k, v, g, beta, _ = make_inputs(24, b=1, t=64, h=1, dk=16, dv=16, dtype=jnp.float32)
   fwd = lambda *a: kda(*a, backend="pallas_gpu")[0]
   grad = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=range(5))
   counts = lambda: (_pallas_calls(fwd, q, k, v, g, beta), _pallas_calls(grad, q, k, v, g, beta))
-  assert counts() == (2, 5)
+  assert counts() == (3, 7)
   with pallas_gpu.configured(split=True, bv=16):
-    assert counts() == (3, 7)
+    assert counts() == (4, 9)
     assert pallas_gpu.SETTINGS.split and pallas_gpu.SETTINGS.bv == 16
-  assert counts() == (2, 5)
+  with pallas_gpu.configured(intra_fwd="columns", intra_bwd="chunk"):
+    assert counts() == (2, 5)
+  assert counts() == (3, 7)
   assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
 
 
