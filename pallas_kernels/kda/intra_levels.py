@@ -276,6 +276,73 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   akk_ref[...] = jnp.where(same & (col < row), a_kk, 0.0)
 
 
+def strip_pair(p, strips: int):
+  """Pair index p in [0, strips·(strips+1)/2) -> (i, j), j ≤ i, in the order (0,0), (1,0), (1,1),
+  (2,0), …: the row strip i and column strip j of one [sub, sub] block of a chunk's scores.
+  Works on traced ints (index maps, kernels)."""
+  i = sum(((p >= (m * (m + 1)) // 2).astype(jnp.int32) for m in range(1, strips)),
+          jnp.int32(0))
+  return i, p - (i * (i + 1)) // 2
+
+
+def pair_scores_kernel(q_ref, k_ref, gam_ref, kj_ref, gamj_ref, cnt_ref, cntj_ref,
+                       aqk_ref, akk_ref, *, strips, scale, bk, mm_dtype):
+  """One [sub, sub] block (row strip i, column strip j ≤ i) of A_qk and A_kk per program (the
+  "pairs" forward: many tiny programs, small accumulators). j < i: every pair factors through
+  strip i's first row m (s < m ≤ r, both factors ≤ 1), one dot per K-block. j = i: levels
+  (module docstring) inside the strip, and zeros for the blocks right of the diagonal.
+  Refs: q, k, gam [sub, K] (strip i); kj, gamj [sub, K] (strip j); cnt [sub, 1] (strip i);
+  cntj [1, sub] (strip j); outputs aqk, akk [sub, C] (strip i's rows; this program writes
+  only its own columns)."""
+  sub, dk = q_ref.shape
+  npairs = strips * (strips + 1) // 2
+  i, j = strip_pair(lax.rem(pl.program_id(1), npairs), strips)
+  row, col = _iota((sub, sub), 0), _iota((sub, sub), 1)
+  same = cnt_ref[...] == cntj_ref[...]
+  zeros = jnp.zeros((sub, sub), F32)
+
+  @pl.when(j < i)
+  def _earlier():
+    def k_block(kb, acc):
+      cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
+      ref = gam_ref[pl.ds(0, 1), cols]
+      e_row = _exp(gam - ref)
+      k_back = kj_ref[:, cols].astype(F32) * _exp(ref - gamj_ref[:, cols])
+      return (acc[0] + mm_nt(q * e_row, k_back, mm_dtype),
+              acc[1] + mm_nt(k * e_row, k_back, mm_dtype))
+
+    a_qk, a_kk = lax.fori_loop(0, dk // bk, k_block, (zeros, zeros))
+    aqk_ref[:, pl.ds(j * sub, sub)] = jnp.where(same, a_qk, 0.0).astype(aqk_ref.dtype)
+    akk_ref[:, pl.ds(j * sub, sub)] = jnp.where(same, a_kk, 0.0)
+
+  @pl.when(j == i)
+  def _diagonal():
+    def k_block(kb, acc):
+      cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
+      d_qk, d_kk, diag = acc
+      for half in levels(sub):       # unrolled: static L turns the index maths into shifts
+        e = level_decay(gam_ref, gam, cols, sub, half)
+        ke = k * e
+        mask = level_mask(sub, half)
+        d_qk = d_qk + jnp.where(mask, mm_nt(q * e, ke, mm_dtype), 0.0)
+        d_kk = d_kk + jnp.where(mask, mm_nt(ke, ke, mm_dtype), 0.0)
+      return d_qk, d_kk, diag + jnp.sum(q * k, axis=1, keepdims=True)
+
+    d_qk, d_kk, diag = lax.fori_loop(0, dk // bk, k_block,
+                                     (zeros, zeros, jnp.zeros((sub, 1), F32)))
+    d_qk = jnp.where(row == col, diag, d_qk)
+    aqk_ref[:, pl.ds(i * sub, sub)] = jnp.where(same & (col <= row), d_qk, 0.0).astype(
+        aqk_ref.dtype)
+    akk_ref[:, pl.ds(i * sub, sub)] = jnp.where(same & (col < row), d_kk, 0.0)
+
+    def zero_block(jj, _):
+      aqk_ref[:, pl.ds(jj * sub, sub)] = zeros.astype(aqk_ref.dtype)
+      akk_ref[:, pl.ds(jj * sub, sub)] = zeros
+      return _
+
+    lax.fori_loop(i + 1, strips, zero_block, 0)
+
+
 def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
               w_ref, u_ref, qg_ref, kt_ref, *inv_ref, scale, bk, mm_dtype, wy_dots="bf16x3",
               sub=16):

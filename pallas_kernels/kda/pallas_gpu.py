@@ -30,12 +30,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import intra_levels, kernels
 
 F32 = jnp.float32
-INTRA_FWDS = ("columns", "levels", "strips")
+INTRA_FWDS = ("columns", "levels", "strips", "pairs")
 INTRA_BWDS = ("chunk", "kblocks", "strips")
 SUB = 16             # sub-chunk rows of the "columns" forward kernel
 
@@ -139,10 +140,11 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
              a time, WY inverse row by row);
   "levels":  intra_levels.intra_fwd_kernel, one program per chunk, dots only;
   "strips":  intra_levels.strip_scores_kernel, one program per 16-row strip, then
-             intra_levels.wy_kernel per chunk (inverse by 16-row blocks, W, U).
+             intra_levels.wy_kernel per chunk (inverse by 16-row blocks, W, U);
+  "pairs":   as "strips" with intra_levels.pair_scores_kernel, one program per [16, 16] block.
   Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V] in q's dtype (the dots' operand dtype),
   then, when `save` (training), akk, inv [B,T,H,C] fp32 for the backward (else None, None)."""
-  if SETTINGS.intra_fwd == "strips":
+  if SETTINGS.intra_fwd in ("strips", "pairs"):
     return _intra_strips(q, k, v, gam, beta, cnt, scale=scale, chunk=chunk, interpret=interpret,
                          save=save)
   b, t, h, dk = q.shape
@@ -181,29 +183,21 @@ def _cnt_row(chunk, strips=1):
 
 
 def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
-  """The "strips" forward: scores per 16-row strip (grid B × N·C/16 × H), then the WY kernel per
-  chunk (grid B × N × H). Same outputs as `intra`."""
+  """The "strips" / "pairs" forward: scores per 16-row strip (grid B × N·C/16 × H) or per
+  [16, 16] block of a chunk, then the WY kernel per chunk (grid B × N × H). Same outputs as
+  `intra`."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
   st = q.dtype
   sub = min(SUB, chunk)
-  strips = chunk // sub
   bk = _intra_bk(dk, st)
-  strip = functools.partial(_tok, sub)
-  whole = lambda d: _tok(chunk, d, strips)
   cnt_row = cnt.reshape(b, n, 1, chunk)
-  aqk, akk = pl.pallas_call(
-      functools.partial(intra_levels.strip_scores_kernel, strips=strips, scale=scale,
-                        bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st),
-      grid=(b, n * strips, h),
-      in_specs=[strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), _cnt_col(sub),
-                _cnt_row(chunk, strips)],
-      out_specs=[strip(chunk), strip(chunk)],
-      out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
-                 jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
-      interpret=interpret, compiler_params=None if interpret else _params(SETTINGS.strip_warps, 1),
-  )(q, k, gam, k, gam, cnt[..., None], cnt_row)
+  if SETTINGS.intra_fwd == "pairs":
+    aqk, akk = _pair_scores(q, k, gam, cnt, scale=scale, chunk=chunk, interpret=interpret)
+  else:
+    aqk, akk = _strip_scores(q, k, gam, cnt, cnt_row, scale=scale, chunk=chunk, sub=sub,
+                             interpret=interpret)
   tok = functools.partial(_tok, chunk)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]
   out_specs = [tok(dk), tok(dv), tok(dk), tok(dk)]
@@ -220,6 +214,58 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
   )(q, k, v, gam, beta[..., None], cnt[..., None], akk)
   w, u, qg, kt = outs[:4]
   return (aqk, w, u, qg, kt) + ((akk, outs[4]) if save else (None, None))
+
+
+def _strip_scores(q, k, gam, cnt, cnt_row, *, scale, chunk, sub, interpret):
+  """A_qk [B,T,H,C] in q's dtype and masked A_kk fp32 by strip_scores_kernel (one program per
+  16-row strip)."""
+  b, t, h, dk = q.shape
+  n = t // chunk
+  st = q.dtype
+  strips = chunk // sub
+  strip = functools.partial(_tok, sub)
+  whole = lambda d: _tok(chunk, d, strips)
+  return pl.pallas_call(
+      functools.partial(intra_levels.strip_scores_kernel, strips=strips, scale=scale,
+                        bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st),
+      grid=(b, n * strips, h),
+      in_specs=[strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), _cnt_col(sub),
+                _cnt_row(chunk, strips)],
+      out_specs=[strip(chunk), strip(chunk)],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
+                 jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
+      interpret=interpret, compiler_params=None if interpret else _params(SETTINGS.strip_warps, 1),
+  )(q, k, gam, k, gam, cnt[..., None], cnt_row)
+
+
+def _pair_scores(q, k, gam, cnt, *, scale, chunk, interpret):
+  """A_qk [B,T,H,C] in q's dtype and masked A_kk fp32 by pair_scores_kernel: one program per
+  [16, 16] block (i, j ≤ i) of a chunk, grid B × N·P × H with P = S(S+1)/2 pairs of S strips."""
+  b, t, h, dk = q.shape
+  st = q.dtype
+  sub = min(SUB, chunk)
+  strips = chunk // sub
+  npairs = strips * (strips + 1) // 2
+
+  def strip_index(p, pick):
+    i, j = intra_levels.strip_pair(lax.rem(p, npairs), strips)
+    return lax.div(p, npairs) * strips + (i if pick == 0 else j)
+
+  rows = lambda d, pick: pl.BlockSpec((None, sub, None, d),
+                                      lambda ib, ip, ih: (ib, strip_index(ip, pick), ih, 0))
+  return pl.pallas_call(
+      functools.partial(intra_levels.pair_scores_kernel, strips=strips, scale=scale,
+                        bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st),
+      grid=(b, (t // chunk) * npairs, h),
+      in_specs=[rows(dk, 0), rows(dk, 0), rows(dk, 0), rows(dk, 1), rows(dk, 1),
+                pl.BlockSpec((None, sub, 1), lambda ib, ip, ih: (ib, strip_index(ip, 0), 0)),
+                pl.BlockSpec((None, None, 1, sub),
+                             lambda ib, ip, ih: (ib, strip_index(ip, 1), 0, 0))],
+      out_specs=[rows(chunk, 0), rows(chunk, 0)],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
+                 jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
+      interpret=interpret, compiler_params=None if interpret else _params(SETTINGS.strip_warps, 1),
+  )(q, k, gam, k, gam, cnt[..., None], cnt.reshape(b, t // sub, 1, sub))
 
 
 def _seq(t, d):
