@@ -42,15 +42,6 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 
 
-LOG2E = 1.4426950408889634
-
-
-def _exp(x):
-  """e^x as 2^(x·log2 e): Triton lowers exp2 to one MUFU.EX2 (plus a multiply), where exp goes
-  through libdevice's range-reduced expf, about four times the instructions (both ≈ 2 ulp)."""
-  return jnp.exp2(x * LOG2E)
-
-
 def levels(c: int) -> tuple[int, ...]:
   """Half-block sizes L = 1, 2, 4, … < C."""
   return tuple(1 << i for i in range(c.bit_length() - 1))
@@ -74,7 +65,7 @@ def level_decay(gam_ref, gam, cols, c: int, half, base=0):
   rows base … base + C of `gam_ref` (a strip of a chunk when base > 0)."""
   size = 2 * half
   mid = lax.div(_iota((c,), 0), size) * size + half
-  return _exp(-jnp.abs(gam - gam_ref[base + mid, cols]))
+  return jnp.exp(-jnp.abs(gam - gam_ref[base + mid, cols]))
 
 
 def _split(x):
@@ -209,11 +200,11 @@ def _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, q
 
   def out_block(kb, _):
     cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
-    decay = _exp(gam)
+    decay = jnp.exp(gam)
     kg = jnp.where(sees, k * decay, 0.0)
     w_ref[:, cols] = mm(inv_mm, beta * kg, mm_dtype).astype(w_ref.dtype)
     qg_ref[:, cols] = jnp.where(sees, q * decay, 0.0).astype(qg_ref.dtype)
-    tail = jnp.where(in_last, _exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
+    tail = jnp.where(in_last, jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
     kt_ref[:, cols] = (k * tail).astype(kt_ref.dtype)
     return _
 
@@ -227,7 +218,7 @@ def _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, q
 def _earlier_rows(kc, gamc, ref, before):
   """K ⊙ e^{Γ_ref − Γ} on the chunk rows before the strip (0 elsewhere; every factor ≤ 1):
   the column operand of the pairs (r in the strip, s in an earlier strip)."""
-  return jnp.where(before, kc * _exp(jnp.where(before, ref - gamc, 0.0)), 0.0)
+  return jnp.where(before, kc * jnp.exp(jnp.where(before, ref - gamc, 0.0)), 0.0)
 
 
 def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_ref,
@@ -251,7 +242,7 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   def k_block(kb, carry):
     cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
     ref = gamc_ref[pl.ds(base, 1), cols]                   # Γ of the strip's first row
-    e_row = _exp(gam - ref)
+    e_row = jnp.exp(gam - ref)
     k_back = _earlier_rows(kc_ref[:, cols].astype(F32), gamc_ref[:, cols], ref, before)
     a_qk, a_kk, d_qk, d_kk, diag = carry
     a_qk = a_qk + mm_nt(q * e_row, k_back, mm_dtype)
@@ -379,11 +370,11 @@ def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
       q = q_ref[rows[j], cols].astype(F32) * scale
       k = k_ref[rows[j], cols].astype(F32)
       gam = gam_ref[rows[j], cols]
-      decay = _exp(gam)
+      decay = jnp.exp(gam)
       sees = cnt[j] == 0.0
       operands.append(beta[j] * jnp.where(sees, k * decay, 0.0))
       qg_ref[rows[j], cols] = jnp.where(sees, q * decay, 0.0).astype(qg_ref.dtype)
-      tail = jnp.where(cnt[j] == cnt_last, _exp(gam_last - gam), 0.0)
+      tail = jnp.where(cnt[j] == cnt_last, jnp.exp(gam_last - gam), 0.0)
       kt_ref[rows[j], cols] = (k * tail).astype(kt_ref.dtype)
     for i in range(nb):
       acc = mm(x_mm[i, 0], operands[0], mm_dtype)
@@ -469,8 +460,6 @@ def _wy_bwd(k_ref, v_ref, gam_ref, cnt_ref, cntr_ref, beta, akk_ref, inv, w_ref,
     cols = pl.ds(kb * bk, bk)
     dr_k = mm_tn(inv, dw_ref[:, cols].astype(F32), mm_dtype)
     dn = dn - mm_nt(dr_k, w_ref[:, cols], mm_dtype)
-    # jnp.exp here, not _exp: with exp2 ptxas spills this kernel (255 registers, 452 B; 204 and
-    # none with exp, offline sm_90 compile by benchmarks/kda_triton_stats.py).
     kg = jnp.where(sees, k_ref[:, cols].astype(F32) * jnp.exp(gam_ref[:, cols]), 0.0)
     dbeta = dbeta + jnp.sum(dr_k * kg, axis=1, keepdims=True)
   dn = jnp.where((cnt == cntr_ref[...]) & (col < row), dn, 0.0)
@@ -518,8 +507,8 @@ def _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta, inv, daqk_ref, 
       dq_a, dk_row, dk_col = acc
     else:
       dq_a, dk_row, dk_col = lax.fori_loop(0, n_lev, level, acc)
-    decay = _exp(gam)
-    e_tail = jnp.where(in_last, _exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
+    decay = jnp.exp(gam)
+    e_tail = jnp.where(in_last, jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
     kt = k * e_tail
     dkg = beta * mm_tn(inv, dw_ref[:, cols].astype(F32), mm_dtype)
     dqg = dqg_ref[:, cols].astype(F32)
@@ -587,10 +576,10 @@ def strip_grads_kernel(q_ref, k_ref, gam_ref, qc_ref, kc_ref, gamc_ref, beta_ref
     qc, kc, gamc = _k_block(qc_ref, kc_ref, gamc_ref, kb, bk, scale)[1:]
     ref = gamc_ref[pl.ds(base, 1), cols]
     refm = gamc_ref[pl.ds(nxt, 1), cols]
-    e_row = _exp(gam - ref)
-    e_col = _exp(refm - gam)
+    e_row = jnp.exp(gam - ref)
+    e_col = jnp.exp(refm - gam)
     k_back = _earlier_rows(kc, gamc, ref, before)
-    e_fwd = jnp.where(after, _exp(jnp.where(after, gamc - refm, 0.0)), 0.0)
+    e_fwd = jnp.where(after, jnp.exp(jnp.where(after, gamc - refm, 0.0)), 0.0)
     dq_a = e_row * mm(daqk_rows, k_back, mm_dtype)
     dk_row = e_row * mm(dakk_rows, k_back, mm_dtype)
     dk_col = e_col * (mm_tn(daqk_cols, qc * e_fwd, mm_dtype)
@@ -603,21 +592,21 @@ def strip_grads_kernel(q_ref, k_ref, gam_ref, qc_ref, kc_ref, gamc_ref, beta_ref
       gam_j = gamc_ref[pl.ds(base + j, 1), cols]
       # Row side, column s = base + j of the strip (s ≤ r).
       later = local >= j
-      k_dec = jnp.where(later, k_j * _exp(jnp.where(later, gam - gam_j, 0.0)), 0.0)
+      k_dec = jnp.where(later, k_j * jnp.exp(jnp.where(later, gam - gam_j, 0.0)), 0.0)
       at_j = lcol == j
       dq_a = dq_a + jnp.sum(jnp.where(at_j, dq_diag, 0.0), axis=1, keepdims=True) * k_dec
       dk_row = dk_row + jnp.sum(jnp.where(at_j, dk_diag, 0.0), axis=1, keepdims=True) * k_dec
       # Column side, row r = base + j of the strip (s ≤ r).
       earlier = local <= j
-      e = jnp.where(earlier, _exp(jnp.where(earlier, gam_j - gam, 0.0)), 0.0)
+      e = jnp.where(earlier, jnp.exp(jnp.where(earlier, gam_j - gam, 0.0)), 0.0)
       coef_q = jnp.sum(jnp.where(at_j, dq_diag_t, 0.0), axis=1, keepdims=True)
       coef_k = jnp.sum(jnp.where(at_j, dk_diag_t, 0.0), axis=1, keepdims=True)
       dk_col = dk_col + e * (coef_q * q_j + coef_k * k_j)
       return dq_a, dk_row, dk_col
 
     dq_a, dk_row, dk_col = lax.fori_loop(0, sub, inside, (dq_a, dk_row, dk_col))
-    decay = _exp(gam)
-    e_tail = jnp.where(in_last, _exp(gamc_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
+    decay = jnp.exp(gam)
+    e_tail = jnp.where(in_last, jnp.exp(gamc_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
     dkg = beta * mm_tn(inv_cols, dwc_ref[:, cols].astype(F32), mm_dtype)
     dqg = dqg_ref[:, cols].astype(F32)
     dkt = dkt_ref[:, cols].astype(F32)
@@ -644,7 +633,7 @@ def dg_kernel(dgam_ref, k_ref, gam_ref, cnt_ref, dkt_ref, ddl_ref, dg_ref, *, bk
   def k_block(kb, _):
     cols = pl.ds(kb * bk, bk)
     kt = jnp.where(in_last, k_ref[:, cols].astype(F32)
-                   * _exp(gam_ref[pl.ds(c - 1, 1), cols] - gam_ref[:, cols]), 0.0)
+                   * jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam_ref[:, cols]), 0.0)
     extra = jnp.sum(dkt_ref[:, cols].astype(F32) * kt, axis=0, keepdims=True) + ddl_ref[:, cols]
     dgam = dgam_ref[:, cols] + jnp.where(last_row, extra, 0.0)
     dg_ref[:, cols] = mm_precise(tri_up, dgam, mm_dtype, a_exact=True).astype(dg_ref.dtype)
