@@ -5,13 +5,18 @@
 
 pallas_gpu variants (pallas_gpu.py): "fused" (sequential kernels compute everything per chunk,
 the default) or "split" (sequential kernels only carry the state; output / local backward terms in
-chunk-parallel kernels), with options joined by "-": bv<N> (V-block of the sequential kernels,
-default 32), w<N> (their num_warps, default 4), nohoist (split backward keeps Qgᵀ dO in the loop),
-columns / levels / strips (the forward intra kernel, Settings.intra_fwd), cw<N> / sw<N> (num_warps
-of the columns / strips score kernel), ww<N> (num_warps of the strips WY kernel), sbk<N> (K-block of the strips score kernel),
-unroll (kblocks backward with the levels written out), ibk<N> / iw<N> (K-block and num_warps of the levels
-kernels, the strips WY kernel and the backward), tf32 (TF32 dots in the block-doubling WY inverse
-instead of bf16×3), kblocks / bstrips (the K-block- / strip-parallel intra backward).
+chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields in brackets):
+  bv<N> (V-block of the sequential kernels [bv]), w<N> (their num_warps [state_warps]),
+  nohoist (split backward keeps Qgᵀ dO in the loop [hoist_qdo]),
+  columns / levels / strips (the forward intra kernel [intra_fwd]),
+  kblocks / bstrips / bchunk (the K-block-, strip- or chunk-parallel intra backward
+  [intra_bwd]),
+  cw<N> / sw<N> / ww<N> (num_warps of the columns / strips score / strips WY kernel
+  [columns_warps, strip_warps, wy_warps]), sbk<N> (K-block of the strips score kernel
+  [strip_bk]), ibk<N> / iw<N> (K-block and num_warps of the levels, WY and backward kernels
+  [intra_bk, intra_warps]), st<N> (num_stages of the intra kernels [intra_stages]),
+  unroll (kblocks backward with the levels written out [unroll_bwd]),
+  tf32 (TF32 dots in the block-doubling WY inverse instead of bf16×3 [wy_dots]).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
 1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
@@ -70,9 +75,10 @@ def _inputs(rng, b, t, h, dtype):
 # Variant options joined by "-": <prefix><N> integer settings and named flags (pallas_gpu.Settings).
 _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_warps",
                 "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps",
-                "sbk": "strip_bk"}
+                "sbk": "strip_bk", "st": "intra_stages"}
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
-                 "kblocks": ("intra_bwd", "kblocks"), "unroll": ("unroll_bwd", True), "bstrips": ("intra_bwd", "strips"),
+                 "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
+                 "bchunk": ("intra_bwd", "chunk"), "unroll": ("unroll_bwd", True),
                  **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
 
 

@@ -30,13 +30,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import intra_levels, kernels
 
 F32 = jnp.float32
-INTRA_FWDS = ("columns", "levels", "strips", "pairs")
+INTRA_FWDS = ("columns", "levels", "strips")
 INTRA_BWDS = ("chunk", "kblocks", "strips")
 SUB = 16             # sub-chunk rows of the "columns" forward kernel
 
@@ -57,6 +56,8 @@ class Settings:
   strip_warps: int = 1         # num_warps of the "strips" score kernel (one 16-row strip each)
   wy_warps: int = 2            # num_warps of the "strips" WY kernel (one chunk in 16-row blocks)
   strip_bk: int = 32           # K-columns per block in the "strips" score kernel
+  intra_stages: int = 1        # Triton num_stages (software pipelining of the K-block loops' loads)
+                               # of the intra-chunk kernels; not yet swept on a GPU
   unroll_bwd: bool = False     # "kblocks" backward: levels written out (static masks) or a loop
   wy_dots: str = "bf16x3"      # dots of the block-doubling WY inverse: "bf16x3" or "tf32"
 
@@ -65,6 +66,9 @@ class Settings:
       _check_bv(getattr(self, name), name)
     for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps"):
       _check_warps(getattr(self, name), name)
+    if self.intra_stages not in (1, 2, 3, 4):
+      raise ValueError(f"kda pallas_gpu: intra_stages must be 1, 2, 3 or 4, got "
+                       f"{self.intra_stages!r}")
     for name, allowed in (("intra_fwd", INTRA_FWDS), ("intra_bwd", INTRA_BWDS),
                           ("wy_dots", ("bf16x3", "tf32"))):
       if getattr(self, name) not in allowed:
@@ -140,11 +144,10 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
              a time, WY inverse row by row);
   "levels":  intra_levels.intra_fwd_kernel, one program per chunk, dots only;
   "strips":  intra_levels.strip_scores_kernel, one program per 16-row strip, then
-             intra_levels.wy_kernel per chunk (inverse by 16-row blocks, W, U);
-  "pairs":   as "strips" with intra_levels.pair_scores_kernel, one program per [16, 16] block.
+             intra_levels.wy_kernel per chunk (inverse by 16-row blocks, W, U).
   Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V] in q's dtype (the dots' operand dtype),
   then, when `save` (training), akk, inv [B,T,H,C] fp32 for the backward (else None, None)."""
-  if SETTINGS.intra_fwd in ("strips", "pairs"):
+  if SETTINGS.intra_fwd == "strips":
     return _intra_strips(q, k, v, gam, beta, cnt, scale=scale, chunk=chunk, interpret=interpret,
                          save=save)
   b, t, h, dk = q.shape
@@ -167,7 +170,8 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
       kernel, grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), _cnt_row(chunk)],
       out_specs=out_specs, out_shape=shapes, interpret=interpret,
-      compiler_params=None if interpret else _params(SETTINGS.columns_warps if columns else SETTINGS.intra_warps, 1),
+      compiler_params=None if interpret else _params(
+          SETTINGS.columns_warps if columns else SETTINGS.intra_warps, SETTINGS.intra_stages),
   )(q, k, v, gam, beta[..., None], cnt[..., None], cnt.reshape(b, n, 1, chunk))
   return tuple(outs) if save else tuple(outs[:5]) + (None, None)
 
@@ -183,21 +187,30 @@ def _cnt_row(chunk, strips=1):
 
 
 def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
-  """The "strips" / "pairs" forward: scores per 16-row strip (grid B × N·C/16 × H) or per
-  [16, 16] block of a chunk, then the WY kernel per chunk (grid B × N × H). Same outputs as
-  `intra`."""
+  """The "strips" forward: scores per 16-row strip (grid B × N·C/16 × H), then the WY kernel per
+  chunk (grid B × N × H). Same outputs as `intra`."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
   st = q.dtype
   sub = min(SUB, chunk)
+  strips = chunk // sub
   bk = _intra_bk(dk, st)
+  strip = functools.partial(_tok, sub)
+  whole = lambda d: _tok(chunk, d, strips)
   cnt_row = cnt.reshape(b, n, 1, chunk)
-  if SETTINGS.intra_fwd == "pairs":
-    aqk, akk = _pair_scores(q, k, gam, cnt, scale=scale, chunk=chunk, interpret=interpret)
-  else:
-    aqk, akk = _strip_scores(q, k, gam, cnt, cnt_row, scale=scale, chunk=chunk, sub=sub,
-                             interpret=interpret)
+  aqk, akk = pl.pallas_call(
+      functools.partial(intra_levels.strip_scores_kernel, strips=strips, scale=scale,
+                        bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st),
+      grid=(b, n * strips, h),
+      in_specs=[strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), _cnt_col(sub),
+                _cnt_row(chunk, strips)],
+      out_specs=[strip(chunk), strip(chunk)],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
+                 jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
+      interpret=interpret,
+      compiler_params=None if interpret else _params(SETTINGS.strip_warps, SETTINGS.intra_stages),
+  )(q, k, gam, k, gam, cnt[..., None], cnt_row)
   tok = functools.partial(_tok, chunk)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]
   out_specs = [tok(dk), tok(dv), tok(dk), tok(dk)]
@@ -210,62 +223,10 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
       grid=(b, n, h),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1), _cnt_col(chunk), tok(chunk)],
       out_specs=out_specs, out_shape=shapes, interpret=interpret,
-      compiler_params=None if interpret else _params(SETTINGS.wy_warps, 1),
+      compiler_params=None if interpret else _params(SETTINGS.wy_warps, SETTINGS.intra_stages),
   )(q, k, v, gam, beta[..., None], cnt[..., None], akk)
   w, u, qg, kt = outs[:4]
   return (aqk, w, u, qg, kt) + ((akk, outs[4]) if save else (None, None))
-
-
-def _strip_scores(q, k, gam, cnt, cnt_row, *, scale, chunk, sub, interpret):
-  """A_qk [B,T,H,C] in q's dtype and masked A_kk fp32 by strip_scores_kernel (one program per
-  16-row strip)."""
-  b, t, h, dk = q.shape
-  n = t // chunk
-  st = q.dtype
-  strips = chunk // sub
-  strip = functools.partial(_tok, sub)
-  whole = lambda d: _tok(chunk, d, strips)
-  return pl.pallas_call(
-      functools.partial(intra_levels.strip_scores_kernel, strips=strips, scale=scale,
-                        bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st),
-      grid=(b, n * strips, h),
-      in_specs=[strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), _cnt_col(sub),
-                _cnt_row(chunk, strips)],
-      out_specs=[strip(chunk), strip(chunk)],
-      out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
-                 jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
-      interpret=interpret, compiler_params=None if interpret else _params(SETTINGS.strip_warps, 1),
-  )(q, k, gam, k, gam, cnt[..., None], cnt_row)
-
-
-def _pair_scores(q, k, gam, cnt, *, scale, chunk, interpret):
-  """A_qk [B,T,H,C] in q's dtype and masked A_kk fp32 by pair_scores_kernel: one program per
-  [16, 16] block (i, j ≤ i) of a chunk, grid B × N·P × H with P = S(S+1)/2 pairs of S strips."""
-  b, t, h, dk = q.shape
-  st = q.dtype
-  sub = min(SUB, chunk)
-  strips = chunk // sub
-  npairs = strips * (strips + 1) // 2
-
-  def strip_index(p, pick):
-    i, j = intra_levels.strip_pair(lax.rem(p, npairs), strips)
-    return lax.div(p, npairs) * strips + (i if pick == 0 else j)
-
-  rows = lambda d, pick: pl.BlockSpec((None, sub, None, d),
-                                      lambda ib, ip, ih: (ib, strip_index(ip, pick), ih, 0))
-  return pl.pallas_call(
-      functools.partial(intra_levels.pair_scores_kernel, strips=strips, scale=scale,
-                        bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st),
-      grid=(b, (t // chunk) * npairs, h),
-      in_specs=[rows(dk, 0), rows(dk, 0), rows(dk, 0), rows(dk, 1), rows(dk, 1),
-                pl.BlockSpec((None, sub, 1), lambda ib, ip, ih: (ib, strip_index(ip, 0), 0)),
-                pl.BlockSpec((None, None, 1, sub),
-                             lambda ib, ip, ih: (ib, strip_index(ip, 1), 0, 0))],
-      out_specs=[rows(chunk, 0), rows(chunk, 0)],
-      out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
-                 jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
-      interpret=interpret, compiler_params=None if interpret else _params(SETTINGS.strip_warps, 1),
-  )(q, k, gam, k, gam, cnt[..., None], cnt.reshape(b, t // sub, 1, sub))
 
 
 def _seq(t, d):
@@ -562,7 +523,7 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   tok = functools.partial(_tok, chunk)
   ddl = (dd * d).reshape(b, n, h, 1, dk)                    # [K, 1] and [1, K]: same memory order
   cnt_row = cnt.reshape(b, n, 1, chunk)
-  params = None if interpret else _params(SETTINGS.intra_warps, 1)
+  params = None if interpret else _params(SETTINGS.intra_warps, SETTINGS.intra_stages)
   k_shapes = [jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)] * 2
   grad_shapes = [jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, t, h, 1), F32)]
@@ -624,7 +585,7 @@ def _grads_strips(q, k, gam, beta, cnt, cnt_row, inv, daqk, dakk, dw, dqg, dkt, 
   whole = lambda d: _tok(chunk, d, strips)
   col_block = _col_block(chunk, sub, strips)
   cnt_chunk = _cnt_col(chunk, strips)
-  params = None if interpret else _params(SETTINGS.strip_warps, 1)
+  params = None if interpret else _params(SETTINGS.strip_warps, SETTINGS.intra_stages)
   dq, dk_, dgam = pl.pallas_call(
       functools.partial(intra_levels.strip_grads_kernel, strips=strips, scale=scale, bk=bk,
                         mm_dtype=q.dtype),

@@ -31,7 +31,6 @@ VARIANTS = {
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
     "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16)),
-    "pallas_gpu_pairs": ("pallas_gpu", dict(intra_fwd="pairs")),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -89,8 +88,7 @@ def packed_results(variant, dtype_name):
 
 
 @pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist", "pallas_gpu_levels",
-                                     "pallas_gpu_columns_chunk", "pallas_gpu_strips",
-                                     "pallas_gpu_pairs"))
+                                     "pallas_gpu_columns_chunk", "pallas_gpu_strips"))
 def test_packed_fp32_matches_reference(backend):
   o_ref, s_ref, g_ref = packed_results("reference", "float32")
   o, s, grads = packed_results(backend, "float32")
@@ -170,6 +168,7 @@ def test_variant_switch_reaches_the_kernels():
 
 @pytest.mark.parametrize("kw, match", [(dict(bv=48), "bv must be a power of two"),
                                        (dict(state_warps=3), "state_warps must be"),
+                                       (dict(intra_stages=0), "intra_stages must be"),
                                        (dict(intra_fwd="rows"), "intra_fwd must be one of"),
                                        (dict(wy_dots="fp16"), "wy_dots must be one of"),
                                        (dict(warps=8), "unexpected keyword")])
