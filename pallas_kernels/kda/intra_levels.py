@@ -282,17 +282,7 @@ def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
   beta = [beta_ref[r, :].astype(F32) for r in rows]                     # [sub, 1] each
   cnt = [cnt_ref[r, :] for r in rows]
   cnt_last = cnt_ref[pl.ds(c - 1, 1), :]
-  dot = lambda a, b: mm_precise(a, b, mm_dtype, mode=wy_dots)
-  x = {}
-  for i in range(nb):
-    x[i, i] = wy_inverse(beta[i] * akk_ref[rows[i], rows[i]], mm_dtype, wy_dots, unroll=True)
-  for i in range(1, nb):
-    n_i = [beta[i] * akk_ref[rows[i], rows[m]] for m in range(i)]
-    for j in range(i - 1, -1, -1):
-      acc = dot(n_i[j], x[j, j])
-      for m in range(j + 1, i):
-        acc = acc + dot(n_i[m], x[m, j])
-      x[i, j] = -dot(x[i, i], acc)
+  x = _blocked_inverse(beta_ref, akk_ref, sub=sub, mm_dtype=mm_dtype, wy_dots=wy_dots)
   x_mm = {key: val.astype(mm_dtype) for key, val in x.items()}
 
   def out_block(kb, _):
@@ -326,10 +316,71 @@ def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
         acc = acc + mm(x_mm[i, j], operands[j], mm_dtype)
       u_ref[rows[i], cols] = acc.astype(u_ref.dtype)
   if inv_ref:
-    zero = jnp.zeros((sub, sub), F32)
-    for i in range(nb):
-      for j in range(nb):
-        inv_ref[0][rows[i], rows[j]] = x[i, j] if j <= i else zero
+    _write_blocks(inv_ref[0], x, sub)
+
+
+def _blocked_inverse(beta_ref, akk_ref, *, sub, mm_dtype, wy_dots):
+  """X = (I + Diag(β) A_kk)⁻¹ of one chunk as {(i, j): [sub, sub] block, j ≤ i}: X_ii = (I +
+  N_ii)⁻¹ by block doubling (written out, so the diagonal blocks' chains interleave), then
+  X_ij = −X_ii Σ_{j≤m<i} N_im X_mj (block forward substitution). Refs: beta [C, 1], akk [C, C]."""
+  nb = akk_ref.shape[0] // sub
+  rows = [pl.ds(i * sub, sub) for i in range(nb)]
+  beta = [beta_ref[r, :].astype(F32) for r in rows]
+  dot = lambda a, b: mm_precise(a, b, mm_dtype, mode=wy_dots)
+  x = {}
+  for i in range(nb):
+    x[i, i] = wy_inverse(beta[i] * akk_ref[rows[i], rows[i]], mm_dtype, wy_dots, unroll=True)
+  for i in range(1, nb):
+    n_i = [beta[i] * akk_ref[rows[i], rows[m]] for m in range(i)]
+    for j in range(i - 1, -1, -1):
+      acc = dot(n_i[j], x[j, j])
+      for m in range(j + 1, i):
+        acc = acc + dot(n_i[m], x[m, j])
+      x[i, j] = -dot(x[i, i], acc)
+  return x
+
+
+def _write_blocks(ref, x, sub):
+  """The lower-triangular block dict of `_blocked_inverse` into ref [C, C] (zeros above)."""
+  nb = ref.shape[0] // sub
+  zero = jnp.zeros((sub, sub), F32)
+  for i in range(nb):
+    for j in range(nb):
+      ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = x[i, j] if j <= i else zero
+
+
+def inverse_kernel(beta_ref, akk_ref, inv_ref, *, sub, mm_dtype, wy_dots="bf16x3"):
+  """First half of the split WY step ("wy_split"), one chunk: X [C, C] fp32 only (see
+  `_blocked_inverse`); `w_kernel` / `u_kernel` then apply it per column block."""
+  _write_blocks(inv_ref, _blocked_inverse(beta_ref, akk_ref, sub=sub, mm_dtype=mm_dtype,
+                                          wy_dots=wy_dots), sub)
+
+
+def w_kernel(q_ref, k_ref, gam_ref, beta_ref, cnt_ref, inv_ref, w_ref, qg_ref, kt_ref, *,
+             scale, mm_dtype):
+  """Second half of the split WY step for one chunk and one block of K columns (grid B × N·K/bk ×
+  H, like fla's recompute_w_u): W = X Diag(β) e^Γ⊙K (rows that see S₀), e^Γ⊙Q and e^{Γ_C−Γ}⊙K
+  (rows of the last segment). Refs q, k, gam, outputs [C, bk]; beta, cnt [C, 1]; inv [C, C]."""
+  c = q_ref.shape[0]
+  cnt = cnt_ref[...]
+  sees = cnt == 0.0
+  q = q_ref[...].astype(F32) * scale
+  k = k_ref[...].astype(F32)
+  gam = gam_ref[...]
+  decay = jnp.exp(gam)
+  kg = jnp.where(sees, k * decay, 0.0)
+  w_ref[...] = mm(inv_ref[...].astype(mm_dtype), beta_ref[...].astype(F32) * kg,
+                  mm_dtype).astype(w_ref.dtype)
+  qg_ref[...] = jnp.where(sees, q * decay, 0.0).astype(qg_ref.dtype)
+  tail = jnp.where(cnt == cnt_ref[pl.ds(c - 1, 1), :],
+                   jnp.exp(gam_ref[pl.ds(c - 1, 1), :] - gam), 0.0)
+  kt_ref[...] = (k * tail).astype(kt_ref.dtype)
+
+
+def u_kernel(v_ref, beta_ref, inv_ref, u_ref, *, mm_dtype):
+  """U = X Diag(β) V for one chunk and one block of V columns (the split WY step)."""
+  u_ref[...] = mm(inv_ref[...].astype(mm_dtype), beta_ref[...].astype(F32)
+                  * v_ref[...].astype(F32), mm_dtype).astype(u_ref.dtype)
 
 
 def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, akk_ref, inv_ref,

@@ -56,6 +56,8 @@ class Settings:
   strip_warps: int = 1         # num_warps of the "strips" score kernel (one 16-row strip each)
   wy_warps: int = 2            # num_warps of the "strips" WY kernel (one chunk in 16-row blocks)
   strip_bk: int = 32           # K-columns per block in the "strips" score kernel
+  wy_split: bool = False       # "strips" WY step as inverse + per-K-block W + per-V-block U
+                               # kernels (fla's layout) instead of one kernel; not yet on a GPU
   intra_stages: int = 1        # Triton num_stages (software pipelining of the K-block loops' loads)
                                # of the intra-chunk kernels; not yet swept on a GPU
   unroll_bwd: bool = False     # "kblocks" backward: levels written out (static masks) or a loop
@@ -211,6 +213,10 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
       interpret=interpret,
       compiler_params=None if interpret else _params(SETTINGS.strip_warps, SETTINGS.intra_stages),
   )(q, k, gam, k, gam, cnt[..., None], cnt_row)
+  if SETTINGS.wy_split:
+    w, u, qg, kt, inv = _wy_split(q, k, v, gam, beta, cnt, akk, scale=scale, chunk=chunk, sub=sub,
+                                  bk=bk, interpret=interpret)
+    return (aqk, w, u, qg, kt) + ((akk, inv) if save else (None, None))
   tok = functools.partial(_tok, chunk)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]
   out_specs = [tok(dk), tok(dv), tok(dk), tok(dk)]
@@ -227,6 +233,46 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
   )(q, k, v, gam, beta[..., None], cnt[..., None], akk)
   w, u, qg, kt = outs[:4]
   return (aqk, w, u, qg, kt) + ((akk, outs[4]) if save else (None, None))
+
+
+def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret):
+  """The WY step as three chunk-parallel kernels ("wy_split"): X per chunk (inverse_kernel), then
+  W, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk and K-block (w_kernel) and U per chunk and V-block
+  (u_kernel). Returns w, u, qg, kt in q's dtype and X [B,T,H,C] fp32 (always written)."""
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  n = t // chunk
+  st = q.dtype
+  tok = functools.partial(_tok, chunk)
+  params = lambda warps: None if interpret else _params(warps, SETTINGS.intra_stages)
+  inv = pl.pallas_call(
+      functools.partial(intra_levels.inverse_kernel, sub=sub, mm_dtype=st,
+                        wy_dots=SETTINGS.wy_dots),
+      grid=(b, n, h), in_specs=[tok(1), tok(chunk)], out_specs=tok(chunk),
+      out_shape=jax.ShapeDtypeStruct((b, t, h, chunk), F32), interpret=interpret,
+      compiler_params=params(SETTINGS.wy_warps),
+  )(beta[..., None], akk)
+  nkb, vb = dk // bk, min(bk, dv)
+  nvb = dv // vb
+  kblk = _col_block(chunk, bk, nkb)
+  w, qg, kt = pl.pallas_call(
+      functools.partial(intra_levels.w_kernel, scale=scale, mm_dtype=st),
+      grid=(b, n * nkb, h),
+      in_specs=[kblk, kblk, kblk, _tok(chunk, 1, nkb), _cnt_col(chunk, nkb),
+                _tok(chunk, chunk, nkb)],
+      out_specs=[kblk, kblk, kblk],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), st)] * 3, interpret=interpret,
+      compiler_params=params(SETTINGS.intra_warps),
+  )(q, k, gam, beta[..., None], cnt[..., None], inv)
+  vblk = _col_block(chunk, vb, nvb)
+  u = pl.pallas_call(
+      functools.partial(intra_levels.u_kernel, mm_dtype=st),
+      grid=(b, n * nvb, h),
+      in_specs=[vblk, _tok(chunk, 1, nvb), _tok(chunk, chunk, nvb)],
+      out_specs=vblk, out_shape=jax.ShapeDtypeStruct((b, t, h, dv), st), interpret=interpret,
+      compiler_params=params(SETTINGS.intra_warps),
+  )(v, beta[..., None], inv)
+  return w, u, qg, kt, inv
 
 
 def _seq(t, d):

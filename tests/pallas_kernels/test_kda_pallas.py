@@ -31,6 +31,7 @@ VARIANTS = {
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
     "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16)),
+    "pallas_gpu_wy_split": ("pallas_gpu", dict(wy_split=True, intra_stages=2)),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -88,7 +89,8 @@ def packed_results(variant, dtype_name):
 
 
 @pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist", "pallas_gpu_levels",
-                                     "pallas_gpu_columns_chunk", "pallas_gpu_strips"))
+                                     "pallas_gpu_columns_chunk", "pallas_gpu_strips",
+                                     "pallas_gpu_wy_split"))
 def test_packed_fp32_matches_reference(backend):
   o_ref, s_ref, g_ref = packed_results("reference", "float32")
   o, s, grads = packed_results(backend, "float32")
