@@ -17,7 +17,8 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   [intra_bk, intra_warps]), st<N> (num_stages of the intra kernels [intra_stages]),
   unroll (kblocks backward with the levels written out [unroll_bwd]),
   tf32 (TF32 dots in the block-doubling WY inverse instead of bf16×3 [wy_dots]),
-  wysplit (the WY step as inverse, W and U kernels [wy_split]).
+  wysplit (the WY step as inverse, W and U kernels [wy_split]),
+  cumsum (the in-chunk cumsum of g as a Pallas kernel [cumsum_kernel]).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
 1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
@@ -80,7 +81,7 @@ _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
                  "bchunk": ("intra_bwd", "chunk"), "unroll": ("unroll_bwd", True),
-                 "wysplit": ("wy_split", True),
+                 "wysplit": ("wy_split", True), "cumsum": ("cumsum_kernel", True),
                  **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
 
 

@@ -42,7 +42,7 @@ def _warps(kernel_name: str) -> int:
   intra = ("intra_fwd_kernel", "wy_bwd_kernel", "score_bwd_kernel",
            "intra_bwd_kernel")
   return {"intra_kernel": s.columns_warps, "strip_scores_kernel": s.strip_warps,
-          "strip_grads_kernel": s.strip_warps, "dg_kernel": 4, "wy_kernel": s.wy_warps,
+          "strip_grads_kernel": s.strip_warps, "dg_kernel": 4, "wy_kernel": s.wy_warps, "_cumsum_kernel": 4,
           "inverse_kernel": s.wy_warps, "w_kernel": s.intra_warps, "u_kernel": s.intra_warps,
           **{name: s.intra_warps for name in intra}, "chunk_bwd_kernel": 8,
           "out_kernel": 4, "bwd_local_kernel": 4}.get(kernel_name, s.state_warps)

@@ -31,7 +31,8 @@ VARIANTS = {
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
     "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16)),
-    "pallas_gpu_wy_split": ("pallas_gpu", dict(wy_split=True, intra_stages=2)),
+    "pallas_gpu_wy_split": ("pallas_gpu", dict(wy_split=True, intra_stages=2,
+                                               cumsum_kernel=True)),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -211,3 +212,14 @@ def test_auto_is_jax_on_cpu():
   from pallas_kernels.kda.op import resolve_backend
   expected = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "jax")
   assert resolve_backend("auto") == expected
+
+
+def test_cumsum_kernel_matches_xla_cumsum():
+  # The Pallas in-chunk cumsum (Settings.cumsum_kernel) against intra.chunk_cumsum, with a chunk
+  # whose Γ falls below −150 (float32 sums: the same values up to summation order).
+  g = -jnp.abs(jax.random.normal(jax.random.PRNGKey(3), (2, 128, 3, 16))) * 5.0
+  want = intra_lib.chunk_cumsum(g, 64)
+  with pallas_gpu.configured(cumsum_kernel=True):
+    got = pallas_gpu.chunk_cumsum(g, 64, interpret=True)
+  assert float(jnp.min(want)) < -150.0
+  assert max_err(got, want) <= 1e-5 * float(jnp.max(jnp.abs(want)))
