@@ -15,11 +15,11 @@ Two variants of the state passes, same contracts and the same numbers (see kerne
   computes dΔ_local = A_qkᵀ dO and (hoist_qdo) dS_local = Qgᵀ dO first, and the loop does
   dΔ = dΔ_local + Kt dS', dS = dS_local + d⊙dS' − Wᵀ dΔ (2 dots; 3 without hoist_qdo, which
   saves the fp32 [B,N,H,K,V] dS_local buffer).
-The intra-chunk kernels come in variants too (`intra`, `intra_bwd`); the defaults are the "strips"
-forward (scores per 16-row strip, then the WY inverse per chunk in 16-row blocks) and the
-"kblocks" backward (WY backward per chunk, score gradients per chunk and K-block). All choices live in one
-frozen `Settings` (module default SETTINGS); state launchers also take theirs as keywords;
-`configured` swaps the settings for a block of code (benchmarks, tests).
+The intra-chunk kernels come in variants too (`intra`, `intra_bwd`); the defaults are the
+"strips" forward (scores per 16-row strip, then the WY inverse per chunk in 16-row blocks) and
+the "kblocks" backward (WY backward per chunk, score gradients per chunk and K-block). All
+choices live in one frozen `Settings` (module default SETTINGS); state launchers also take theirs
+as keywords; `configured` swaps the settings for a block of code (benchmarks, tests).
 """
 
 from __future__ import annotations
