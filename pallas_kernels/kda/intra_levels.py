@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernels import mm, mm_nt, mm_tn
+from pallas_kernels.kda.kernels import diag_column_grads, gated, mm, mm_nt, mm_tn
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -149,7 +149,6 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   `kernels.intra_kernel`.
   """
   c, dk = q_ref.shape
-  dv = v_ref.shape[1]
   row, col = _iota((c, c), 0), _iota((c, c), 1)
   cnt = cnt_ref[...]
   same = cnt == cntr_ref[...]
@@ -200,12 +199,10 @@ def _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, q
 
   def out_block(kb, _):
     cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
-    decay = jnp.exp(gam)
-    kg = jnp.where(sees, k * decay, 0.0)
+    qg, kg, kt = gated(q, k, gam, sees, in_last, gam_ref[pl.ds(c - 1, 1), cols])
     w_ref[:, cols] = mm(inv_mm, beta * kg, mm_dtype).astype(w_ref.dtype)
-    qg_ref[:, cols] = jnp.where(sees, q * decay, 0.0).astype(qg_ref.dtype)
-    tail = jnp.where(in_last, jnp.exp(gam_ref[pl.ds(c - 1, 1), cols] - gam), 0.0)
-    kt_ref[:, cols] = (k * tail).astype(kt_ref.dtype)
+    qg_ref[:, cols] = qg.astype(qg_ref.dtype)
+    kt_ref[:, cols] = kt.astype(kt_ref.dtype)
     return _
 
   lax.fori_loop(0, dk // bk, out_block, 0)
@@ -292,13 +289,11 @@ def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
     for j in range(nb):
       q = q_ref[rows[j], cols].astype(F32) * scale
       k = k_ref[rows[j], cols].astype(F32)
-      gam = gam_ref[rows[j], cols]
-      decay = jnp.exp(gam)
-      sees = cnt[j] == 0.0
-      operands.append(beta[j] * jnp.where(sees, k * decay, 0.0))
-      qg_ref[rows[j], cols] = jnp.where(sees, q * decay, 0.0).astype(qg_ref.dtype)
-      tail = jnp.where(cnt[j] == cnt_last, jnp.exp(gam_last - gam), 0.0)
-      kt_ref[rows[j], cols] = (k * tail).astype(kt_ref.dtype)
+      qg, kg, kt = gated(q, k, gam_ref[rows[j], cols], cnt[j] == 0.0, cnt[j] == cnt_last,
+                         gam_last)
+      operands.append(beta[j] * kg)
+      qg_ref[rows[j], cols] = qg.astype(qg_ref.dtype)
+      kt_ref[rows[j], cols] = kt.astype(kt_ref.dtype)
     for i in range(nb):
       acc = mm(x_mm[i, 0], operands[0], mm_dtype)
       for j in range(1, i + 1):
@@ -363,18 +358,12 @@ def w_kernel(q_ref, k_ref, gam_ref, beta_ref, cnt_ref, inv_ref, w_ref, qg_ref, k
   (rows of the last segment). Refs q, k, gam, outputs [C, bk]; beta, cnt [C, 1]; inv [C, C]."""
   c = q_ref.shape[0]
   cnt = cnt_ref[...]
-  sees = cnt == 0.0
-  q = q_ref[...].astype(F32) * scale
-  k = k_ref[...].astype(F32)
-  gam = gam_ref[...]
-  decay = jnp.exp(gam)
-  kg = jnp.where(sees, k * decay, 0.0)
+  qg, kg, kt = gated(q_ref[...].astype(F32) * scale, k_ref[...].astype(F32), gam_ref[...],
+                     cnt == 0.0, cnt == cnt_ref[pl.ds(c - 1, 1), :], gam_ref[pl.ds(c - 1, 1), :])
   w_ref[...] = mm(inv_ref[...].astype(mm_dtype), beta_ref[...].astype(F32) * kg,
                   mm_dtype).astype(w_ref.dtype)
-  qg_ref[...] = jnp.where(sees, q * decay, 0.0).astype(qg_ref.dtype)
-  tail = jnp.where(cnt == cnt_ref[pl.ds(c - 1, 1), :],
-                   jnp.exp(gam_ref[pl.ds(c - 1, 1), :] - gam), 0.0)
-  kt_ref[...] = (k * tail).astype(kt_ref.dtype)
+  qg_ref[...] = qg.astype(qg_ref.dtype)
+  kt_ref[...] = kt.astype(kt_ref.dtype)
 
 
 def u_kernel(v_ref, beta_ref, inv_ref, u_ref, *, mm_dtype):
@@ -569,24 +558,12 @@ def strip_grads_kernel(q_ref, k_ref, gam_ref, qc_ref, kc_ref, gamc_ref, beta_ref
     dk_col = e_col * (mm_tn(daqk_cols, qc * e_fwd, mm_dtype)
                       + mm_tn(dakk_cols, kc * e_fwd, mm_dtype))
 
-    def inside(j, acc):
-      dq_a, dk_row, dk_col = acc
+    def inside(j, acc):          # column / row base + j of the strip
       q_j = qc_ref[pl.ds(base + j, 1), cols].astype(F32) * scale
       k_j = kc_ref[pl.ds(base + j, 1), cols].astype(F32)
       gam_j = gamc_ref[pl.ds(base + j, 1), cols]
-      # Row side, column s = base + j of the strip (s ≤ r).
-      later = local >= j
-      k_dec = jnp.where(later, k_j * jnp.exp(jnp.where(later, gam - gam_j, 0.0)), 0.0)
-      at_j = lcol == j
-      dq_a = dq_a + jnp.sum(jnp.where(at_j, dq_diag, 0.0), axis=1, keepdims=True) * k_dec
-      dk_row = dk_row + jnp.sum(jnp.where(at_j, dk_diag, 0.0), axis=1, keepdims=True) * k_dec
-      # Column side, row r = base + j of the strip (s ≤ r).
-      earlier = local <= j
-      e = jnp.where(earlier, jnp.exp(jnp.where(earlier, gam_j - gam, 0.0)), 0.0)
-      coef_q = jnp.sum(jnp.where(at_j, dq_diag_t, 0.0), axis=1, keepdims=True)
-      coef_k = jnp.sum(jnp.where(at_j, dk_diag_t, 0.0), axis=1, keepdims=True)
-      dk_col = dk_col + e * (coef_q * q_j + coef_k * k_j)
-      return dq_a, dk_row, dk_col
+      return diag_column_grads(acc, j, local, lcol == j, q_j, k_j, gam_j, gam,
+                               dq_diag, dk_diag, dq_diag_t, dk_diag_t)
 
     dq_a, dk_row, dk_col = lax.fori_loop(0, sub, inside, (dq_a, dk_row, dk_col))
     decay = jnp.exp(gam)

@@ -38,6 +38,31 @@ def mm_nt(a, b, dtype):
                          preferred_element_type=F32, precision=_precision(dtype))
 
 
+def gated(q, k, gam, sees, in_last, gam_last):
+  """e^Γ⊙Q and e^Γ⊙K on the rows that see S₀, e^{Γ_C−Γ}⊙K on the rows of the chunk's last
+  segment (0 elsewhere): the decayed operands of the state passes and of W. Γ never rises inside
+  a chunk, so no exponent here is positive."""
+  decay = jnp.exp(gam)
+  return (jnp.where(sees, q * decay, 0.0), jnp.where(sees, k * decay, 0.0),
+          jnp.where(in_last, k * jnp.exp(gam_last - gam), 0.0))
+
+
+def diag_column_grads(acc, j, pos, target, q_j, k_j, gam_j, gam, dqk, dkk, dqk_t, dkk_t):
+  """One column step s = j of the score gradients inside a diagonal block (rows `pos` = their
+  place in the block): row side, r ≥ s: dq_a, dk_row += dA[r, s] · k_s e^{Γ_r−Γ_s}; column side,
+  row r = j ≥ s: dk_col += e^{Γ_r−Γ_s} (dA_qk[r, s] q_r + dA_kk[r, s] k_r). `target` marks where
+  column j's coefficients sit in dqk / dkk and row j's in their transposes dqk_t / dkk_t. Shared
+  by the columns backward and the strips backward."""
+  dq_a, dk_row, dk_col = acc
+  pick = lambda m: jnp.sum(jnp.where(target, m, 0.0), axis=1, keepdims=True)
+  later = pos >= j
+  k_dec = jnp.where(later, k_j * jnp.exp(jnp.where(later, gam - gam_j, 0.0)), 0.0)
+  earlier = pos <= j
+  e = jnp.where(earlier, jnp.exp(jnp.where(earlier, gam_j - gam, 0.0)), 0.0)
+  return (dq_a + pick(dqk) * k_dec, dk_row + pick(dkk) * k_dec,
+          dk_col + e * (pick(dqk_t) * q_j + pick(dkk_t) * k_j))
+
+
 def _precision(dtype):
   # fp32 operands: full fp32 products (no TF32), so fp32 runs match the reference to ~1e-6.
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
@@ -74,11 +99,7 @@ def intra_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   # Decayed q/k against S₀ and towards S_next, with the segment masks.
   gam_last = gam_ref[pl.ds(c - 1, 1), :]
   cnt_last = cnt_ref[pl.ds(c - 1, 1), :]
-  sees = cnt == 0.0
-  decay = jnp.exp(gam)
-  qg = jnp.where(sees, q * decay, 0.0)
-  kg = jnp.where(sees, k * decay, 0.0)
-  kt = jnp.where(cnt == cnt_last, k * jnp.exp(gam_last - gam), 0.0)
+  qg, kg, kt = gated(q, k, gam, cnt == 0.0, cnt == cnt_last, gam_last)
 
   # Below-diagonal sub-chunk blocks: reference row = first row of the row's sub-chunk.
   a_qk = jnp.zeros((c, c), F32)
@@ -315,18 +336,8 @@ def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, 
       q_j = jnp.where(sel, k_ref_row(q_ref, i * sub + j) * scale, q_j)
       gam_j = jnp.where(sel, gam_ref[pl.ds(i * sub + j, 1), :], gam_j)
     target = col_cc == blk_cc * sub + j
-    # Row side: column s = j of the row's sub-chunk (s ≤ r).
-    later = pos_ck >= j
-    k_dec = jnp.where(later, k_j * jnp.exp(jnp.where(later, gam - gam_j, 0.0)), 0.0)
-    dq_a = dq_a + jnp.sum(jnp.where(target, daqk, 0.0), axis=1, keepdims=True) * k_dec
-    dk_row = dk_row + jnp.sum(jnp.where(target, dakk, 0.0), axis=1, keepdims=True) * k_dec
-    # Column side: row r = j of the column's sub-chunk (r ≥ s).
-    earlier = pos_ck <= j
-    e = jnp.where(earlier, jnp.exp(jnp.where(earlier, gam_j - gam, 0.0)), 0.0)
-    coef_q = jnp.sum(jnp.where(target, daqk_t, 0.0), axis=1, keepdims=True)
-    coef_k = jnp.sum(jnp.where(target, dakk_t, 0.0), axis=1, keepdims=True)
-    dk_col = dk_col + e * (coef_q * q_j + coef_k * k_j)
-    return dq_a, dk_row, dk_col
+    return diag_column_grads((dq_a, dk_row, dk_col), j, pos_ck, target, q_j, k_j, gam_j, gam,
+                             daqk, dakk, daqk_t, dakk_t)
 
   dq_a, dk_row, dk_col = lax.fori_loop(0, sub, diag_column, (dq_a, dk_row, dk_col))
   dq = dq + dq_a
