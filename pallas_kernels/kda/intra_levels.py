@@ -158,15 +158,7 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   def score_block(kb, carry):
     cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
 
-    def level(i, acc):
-      a_qk, a_kk = acc
-      half = _half(i)
-      mask = level_mask(c, half)
-      e = level_decay(gam_ref, gam, cols, c, half)
-      ke = k * e
-      return (a_qk + jnp.where(mask, mm_nt(q * e, ke, mm_dtype), 0.0),
-              a_kk + jnp.where(mask, mm_nt(ke, ke, mm_dtype), 0.0))
-
+    level = lambda i, acc: _level_scores(acc, q, k, gam, gam_ref, cols, _half(i), mm_dtype)
     a_qk, a_kk, diag = carry
     a_qk, a_kk = lax.fori_loop(0, n_lev, level, (a_qk, a_kk))
     return a_qk, a_kk, diag + jnp.sum(q * k, axis=1, keepdims=True)
@@ -182,6 +174,17 @@ def intra_fwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref,
   if saved_refs:
     saved_refs[0][...] = a_kk
     saved_refs[1][...] = inv
+
+
+def _level_scores(acc, q, k, gam, gam_ref, cols, half, mm_dtype, base=0):
+  """One level L of the in-block scores (module docstring): (A_qk, A_kk) [R, R] gain
+  M_L ⊙ ((Q⊙E_L)(K⊙E_L)ᵀ) and M_L ⊙ ((K⊙E_L)(K⊙E_L)ᵀ) for the R rows at `base` of gam_ref."""
+  rows = q.shape[0]
+  e = level_decay(gam_ref, gam, cols, rows, half, base)
+  ke = k * e
+  mask = level_mask(rows, half)
+  return (acc[0] + jnp.where(mask, mm_nt(q * e, ke, mm_dtype), 0.0),
+          acc[1] + jnp.where(mask, mm_nt(ke, ke, mm_dtype), 0.0))
 
 
 def _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, qg_ref, kt_ref, *,
@@ -246,11 +249,7 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
     a_kk = a_kk + mm_nt(k * e_row, k_back, mm_dtype)
 
     for half in levels(sub):       # unrolled: static L turns the index maths into shifts
-      e = level_decay(gamc_ref, gam, cols, sub, half, base)
-      ke = k * e
-      mask = level_mask(sub, half)
-      d_qk = d_qk + jnp.where(mask, mm_nt(q * e, ke, mm_dtype), 0.0)
-      d_kk = d_kk + jnp.where(mask, mm_nt(ke, ke, mm_dtype), 0.0)
+      d_qk, d_kk = _level_scores((d_qk, d_kk), q, k, gam, gamc_ref, cols, half, mm_dtype, base)
     return a_qk, a_kk, d_qk, d_kk, diag + jnp.sum(q * k, axis=1, keepdims=True)
 
   zeros, zeros_d = jnp.zeros((sub, c), F32), jnp.zeros((sub, sub), F32)
@@ -282,6 +281,14 @@ def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
   x = _blocked_inverse(beta_ref, akk_ref, sub=sub, mm_dtype=mm_dtype, wy_dots=wy_dots)
   x_mm = {key: val.astype(mm_dtype) for key, val in x.items()}
 
+  def apply_x(operands, out_ref, cols):
+    """out rows of block i = Σ_{j≤i} X_ij operands[j] (operands: [sub, ·] per row block)."""
+    for i in range(nb):
+      acc = mm(x_mm[i, 0], operands[0], mm_dtype)
+      for j in range(1, i + 1):
+        acc = acc + mm(x_mm[i, j], operands[j], mm_dtype)
+      out_ref[rows[i], cols] = acc.astype(out_ref.dtype)
+
   def out_block(kb, _):
     cols = pl.ds(kb * bk, bk)
     gam_last = gam_ref[pl.ds(c - 1, 1), cols]
@@ -294,22 +301,13 @@ def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
       operands.append(beta[j] * kg)
       qg_ref[rows[j], cols] = qg.astype(qg_ref.dtype)
       kt_ref[rows[j], cols] = kt.astype(kt_ref.dtype)
-    for i in range(nb):
-      acc = mm(x_mm[i, 0], operands[0], mm_dtype)
-      for j in range(1, i + 1):
-        acc = acc + mm(x_mm[i, j], operands[j], mm_dtype)
-      w_ref[rows[i], cols] = acc.astype(w_ref.dtype)
+    apply_x(operands, w_ref, cols)
     return _
 
   lax.fori_loop(0, dk // bk, out_block, 0)
   for vb in range(max(dv // bk, 1)):
     cols = pl.ds(vb * bk, min(bk, dv))
-    operands = [beta[j] * v_ref[rows[j], cols].astype(F32) for j in range(nb)]
-    for i in range(nb):
-      acc = mm(x_mm[i, 0], operands[0], mm_dtype)
-      for j in range(1, i + 1):
-        acc = acc + mm(x_mm[i, j], operands[j], mm_dtype)
-      u_ref[rows[i], cols] = acc.astype(u_ref.dtype)
+    apply_x([beta[j] * v_ref[rows[j], cols].astype(F32) for j in range(nb)], u_ref, cols)
   if inv_ref:
     _write_blocks(inv_ref[0], x, sub)
 

@@ -579,11 +579,11 @@ def chunk_bwd(hs, dhs, delta, ddelta, do, *, chunk, interpret):
 
 def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, dd, d, *, scale,
               chunk, interpret):
-  """Intra-chunk backward, ending at dg: SETTINGS.intra_bwd = "chunk" (intra_levels.intra_bwd_kernel
-  over grid (B, N, H)), "kblocks" (intra_levels.wy_bwd_kernel per chunk, then
-  intra_levels.score_bwd_kernel over grid (B, N·K/bk, H)) or "strips" (wy_bwd_kernel, then
-  intra_levels.strip_grads_kernel per 16-row strip and intra_levels.dg_kernel per chunk). dd, d [B,N,H,K,1]: the state decay's
-  cotangent and value. Returns dq, dk [B,T,H,K], dv [B,T,H,V] in q's dtype, dbeta [B,T,H,1]
+  """Intra-chunk backward, ending at dg: SETTINGS.intra_bwd = "chunk"
+  (intra_levels.intra_bwd_kernel over grid (B, N, H)), "kblocks" (intra_levels.wy_bwd_kernel per
+  chunk, then intra_levels.score_bwd_kernel over grid (B, N·K/bk, H)) or "strips"
+  (wy_bwd_kernel, then intra_levels.strip_grads_kernel per 16-row strip and
+  intra_levels.dg_kernel per chunk). dd, d [B,N,H,K,1]: the state decay's cotangent and value. Returns dq, dk [B,T,H,K], dv [B,T,H,V] in q's dtype, dbeta [B,T,H,1]
   fp32 and dg [B,T,H,K] fp32."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
@@ -623,23 +623,19 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
                                 ddl, scale=scale, chunk=chunk, bk=bk, interpret=interpret)
     return dq, dk_, dv_, dbeta, dg
   nkb = dk // bk
-  kblk = lambda: _col_block(chunk, bk, nkb)
+  kblk = _col_block(chunk, bk, nkb)
   whole = lambda d_: _tok(chunk, d_, nkb)
   dq, dk_, dg = pl.pallas_call(
       functools.partial(intra_levels.score_bwd_kernel, scale=scale, mm_dtype=q.dtype,
                         unroll=SETTINGS.unroll_bwd),
       grid=(b, n * nkb, h),
-      in_specs=[kblk(), kblk(), kblk(), whole(1),
-                _cnt_col(chunk, nkb),
-                _cnt_row(chunk, nkb), whole(chunk), whole(chunk), whole(chunk),
-                kblk(), kblk(), kblk(),
-                _chunk_vec(bk, nkb)],
-      out_specs=[kblk(), kblk(), kblk()],
+      in_specs=[kblk, kblk, kblk, whole(1), _cnt_col(chunk, nkb), _cnt_row(chunk, nkb),
+                whole(chunk), whole(chunk), whole(chunk), kblk, kblk, kblk, _chunk_vec(bk, nkb)],
+      out_specs=[kblk, kblk, kblk],
       out_shape=k_shapes + [jax.ShapeDtypeStruct((b, t, h, dk), F32)],
       interpret=interpret, compiler_params=params,
   )(q, k, gam, beta[..., None], cnt[..., None], cnt_row, inv, daqk, dakk, dw, dqg, dkt, ddl)
   return dq, dk_, dv_, dbeta, dg
-
 
 
 def _grads_strips(q, k, gam, beta, cnt, cnt_row, inv, daqk, dakk, dw, dqg, dkt, ddl, *, scale,
