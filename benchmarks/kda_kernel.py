@@ -170,14 +170,53 @@ def _check_fla(lines, q, k, v, g, beta, s0):
     from fla.ops.kda import chunk_kda
     o_r, s_r = kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(s0),
                    output_final_state=True, backend="reference")
-    tt = lambda x, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(x)).cuda().to(dt)
-    o, s = chunk_kda(tt(q), tt(k), tt(v), tt(g, torch.float32), tt(beta),
-                     initial_state=tt(s0, torch.float32), output_final_state=True)
+    o, s = chunk_kda(_torch(q), _torch(k), _torch(v), _torch(g, torch.float32), _torch(beta),
+                     initial_state=_torch(s0, torch.float32), output_final_state=True)
     lines.append(f"check bf16 fla        max|err| o {_err(o.float().cpu().numpy(), o_r):.2e} "
                  f"S {_err(s.float().cpu().numpy(), s_r):.2e} (no segments)")
   except Exception:
     lines.append(f"check fla FAILED: {traceback.format_exc()[-800:]}")
   print(lines[-1], flush=True)
+
+
+def _torch(x, dtype=None):
+  """A numpy array on the GPU as a torch tensor (bf16 unless `dtype`)."""
+  import torch
+  return torch.from_numpy(np.ascontiguousarray(x)).cuda().to(dtype or torch.bfloat16)
+
+
+def fla_calls(np_inputs):
+  """fla's chunk_kda on these inputs (bf16; g fp32) as two closures: forward (no grad) and
+  forward + backward (gradients wrt q, k, v, g, beta, then cleared)."""
+  import torch
+  from fla.ops.kda import chunk_kda
+  q, k, v, g, beta = np_inputs
+  xs = [_torch(x).requires_grad_() for x in (q, k, v)]
+  xs = xs + [_torch(g, torch.float32).requires_grad_(), _torch(beta).requires_grad_()]
+  do = torch.ones_like(xs[2])
+
+  def fwd():
+    with torch.no_grad():
+      return chunk_kda(*xs)[0]
+
+  def fwd_bwd():
+    chunk_kda(*xs)[0].backward(do)
+    for x in xs:
+      x.grad = None
+
+  return fwd, fwd_bwd
+
+
+def jax_calls(backend, v_shape):
+  """Our op with `backend`, jitted: forward (o) and forward + backward (gradients wrt q, k, v, g,
+  beta of Σ o·1), for inputs whose v has shape `v_shape`."""
+  do = jnp.ones(v_shape, jnp.float32)
+  fwd = jax.jit(lambda q, k, v, g, beta: kda(q, k, v, g, beta, backend=backend)[0])
+
+  def loss(q, k, v, g, beta):
+    return jnp.sum(kda(q, k, v, g, beta, backend=backend)[0].astype(jnp.float32) * do)
+
+  return fwd, jax.jit(jax.grad(loss, argnums=range(5)))
 
 
 def _median_ms(run_loop, reps=5):
@@ -186,15 +225,7 @@ def _median_ms(run_loop, reps=5):
 
 def time_jax(backend, arrays, reps=10):
   """(fwd ms, fwd+bwd ms) of our op with `backend`."""
-  q, k, v, g, beta = arrays
-  do = jnp.ones_like(v)
-  fwd = jax.jit(lambda q, k, v, g, beta: kda(q, k, v, g, beta, backend=backend)[0])
-
-  def loss(q, k, v, g, beta):
-    return jnp.sum(kda(q, k, v, g, beta, backend=backend)[0].astype(jnp.float32) * do)
-
-  fwd_bwd = jax.jit(jax.grad(loss, argnums=range(5)))
-  return [median_call_ms(fn, *arrays, reps=reps) for fn in (fwd, fwd_bwd)]
+  return [median_call_ms(fn, *arrays, reps=reps) for fn in jax_calls(backend, arrays[2].shape)]
 
 
 def median_call_ms(fn, *args, reps=10):
@@ -214,25 +245,8 @@ def median_call_ms(fn, *args, reps=10):
 
 def time_fla(np_inputs, reps=10):
   import torch
-  from fla.ops.kda import chunk_kda
-  q, k, v, g, beta = np_inputs
-  tt = lambda x, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(x)).cuda().to(dt)
-  qt, kt, vt, bt = (tt(x).requires_grad_() for x in (q, k, v, beta))
-  gt = tt(g, torch.float32).requires_grad_()
-  do = torch.ones_like(vt)
-
-  def fwd():
-    with torch.no_grad():
-      return chunk_kda(qt, kt, vt, gt, bt)[0]
-
-  def fwd_bwd():
-    o = chunk_kda(qt, kt, vt, gt, bt)[0]
-    o.backward(do)
-    for x in (qt, kt, vt, gt, bt):
-      x.grad = None
-
   out = []
-  for fn in (fwd, fwd_bwd):
+  for fn in fla_calls(np_inputs):
     for _ in range(3):
       fn()
     torch.cuda.synchronize()

@@ -29,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kda_kernel import _inputs, parse_variant  # noqa: E402
-from pallas_kernels.kda import kda, pallas_gpu  # noqa: E402
+from benchmarks.kda_kernel import _inputs, fla_calls, jax_calls, parse_variant  # noqa: E402
+from pallas_kernels.kda import pallas_gpu  # noqa: E402
 
 
 def device_kernel_us(trace_path: str, device_marker: str) -> dict[str, float]:
@@ -69,18 +69,7 @@ def trace_jax(fn, args, calls, marker):
 
 def trace_fla(np_in, calls):
   import torch
-  from fla.ops.kda import chunk_kda
-  q, k, v, g, beta = np_in
-  tt = lambda x, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(x)).cuda().to(dt)
-  xs = [tt(x).requires_grad_() for x in (q, k, v)] + [tt(g, torch.float32).requires_grad_(),
-                                                      tt(beta).requires_grad_()]
-  do = torch.ones_like(xs[2])
-
-  def step():
-    chunk_kda(*xs)[0].backward(do)
-    for x in xs:
-      x.grad = None
-
+  step = fla_calls(np_in)[1]
   for _ in range(3):
     step()
   torch.cuda.synchronize()
@@ -129,15 +118,11 @@ def main():
     np_in = _inputs(rng, b, t, h, "bf16")
     args = tuple(jnp.asarray(x, jnp.float32 if i == 3 else jnp.bfloat16)
                  for i, x in enumerate(np_in))
-    do = jnp.ones(args[2].shape, jnp.float32)
-
-    def loss(q, k, v, g, beta):
-      return jnp.sum(kda(q, k, v, g, beta, backend=a.backend)[0].astype(jnp.float32) * do)
-
     for v in variants:
       try:
         with pallas_gpu.configured(**parse_variant(v)):
-          totals = trace_jax(jax.jit(jax.grad(loss, argnums=range(5))), args, a.calls, a.marker)
+          fwd_bwd = jax_calls(a.backend, args[2].shape)[1]
+          totals = trace_jax(fwd_bwd, args, a.calls, a.marker)
         report(f"{shape} {a.backend}[{v}]", totals, a.calls, lines)
       except Exception:
         lines.append(f"{shape} {v} FAILED: {traceback.format_exc()[-1500:]}")
