@@ -6,7 +6,7 @@
 
 Lowers the KDA forward + backward (B1 T256 H2, K = V = 128, chunk 64) for CUDA on the CPU, keeps
 the Triton IR of every pallas_call, compiles each with the `triton` package for sm_90 at the
-kernel's num_warps, and prints per kernel: registers, spill bytes (ptxas -v), shared memory, and
+kernel's num_warps and num_stages (as its launcher set them), and prints per kernel: registers, spill bytes (ptxas -v), shared memory, and
 SASS counts (all instructions, tensor-core MMAs, barriers, shared loads/stores, MUFU (exp), local
 loads/stores = spills, global loads/stores). Static counts, not timings: they show spills and
 layout round-trips through shared memory before a GPU run decides (benchmarks/kda_profile.py).
@@ -36,20 +36,19 @@ SASS_COUNTS = dict(sass=r"/\*[0-9a-f]{4,}\*/", mma=r"HMMA|HGMMA", bar=r"BAR", st
                    lds=r"LDS", mufu=r"MUFU", ldl=r"LDL", stl=r"STL", ldg=r"LDG", stg=r"STG")
 
 
-def _warps(kernel_name: str) -> int:
-  """num_warps each launcher in pallas_gpu.py passes for this kernel body."""
-  s = pallas_gpu.SETTINGS
-  intra = ("intra_fwd_kernel", "wy_bwd_kernel", "score_bwd_kernel",
-           "intra_bwd_kernel")
-  return {"intra_kernel": s.columns_warps, "strip_scores_kernel": s.strip_warps,
-          "strip_grads_kernel": s.strip_warps, "dg_kernel": 4, "wy_kernel": s.wy_warps, "_cumsum_kernel": 4,
-          "inverse_kernel": s.wy_warps, "w_kernel": s.intra_warps, "u_kernel": s.intra_warps,
-          **{name: s.intra_warps for name in intra}, "chunk_bwd_kernel": 8,
-          "out_kernel": 4, "bwd_local_kernel": 4}.get(kernel_name, s.state_warps)
+def _launch_params(frame) -> tuple[int, int]:
+  """(num_warps, num_stages) the launcher passed, read from jax's Triton lowering rule that is
+  calling the IR lowering (its locals), so this tool never keeps its own copy of the choices."""
+  try:
+    return frame.f_locals["num_warps"], frame.f_locals["num_stages"]
+  except KeyError as e:
+    raise RuntimeError(f"this jax's Triton lowering rule has no local {e}; kda_triton_stats.py "
+                       "was written against jax 0.10.2") from None
 
 
-def dump_ttir(dtype, out_dir: str) -> list[tuple[str, int]]:
-  """Lower fwd + bwd for CUDA and write each kernel's Triton IR; returns (path, num_warps)."""
+def dump_ttir(dtype, out_dir: str) -> list[tuple[str, int, int]]:
+  """Lower fwd + bwd for CUDA and write each kernel's Triton IR; returns (path, num_warps,
+  num_stages) per kernel."""
   lower = registration.lowering.lower_jaxpr_to_triton_module
   found = []
 
@@ -59,7 +58,7 @@ def dump_ttir(dtype, out_dir: str) -> list[tuple[str, int]]:
     path = os.path.join(out_dir, f"{len(found):02d}_{name}.ttir")
     with open(path, "w") as f:
       f.write(result.module.operation.get_asm(enable_debug_info=False))
-    found.append((path, _warps(name)))
+    found.append((path, *_launch_params(sys._getframe(1))))
     return result
 
   b, t, h, d = 1, 256, 2, 128
@@ -81,11 +80,11 @@ def dump_ttir(dtype, out_dir: str) -> list[tuple[str, int]]:
   return found
 
 
-def compile_stats(path: str, warps: int, bin_dir: str) -> str:
+def compile_stats(path: str, warps: int, stages: int, bin_dir: str) -> str:
   from triton.backends.compiler import GPUTarget
   from triton.compiler.compiler import compile as triton_compile
   kernel = triton_compile(path, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=1))
+                          options=dict(num_warps=warps, num_stages=stages))
   with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
     f.write(kernel.asm["cubin"])
   sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
@@ -97,7 +96,7 @@ def compile_stats(path: str, warps: int, bin_dir: str) -> str:
   regs = re.search(r"Used (\d+) registers", ptxas)
   spill = re.search(r"(\d+) bytes spill stores", ptxas)
   counts = " ".join(f"{k} {len(re.findall(p, sass))}" for k, p in SASS_COUNTS.items())
-  return (f"{os.path.basename(path):28s} warps {warps} regs {regs and regs.group(1)} "
+  return (f"{os.path.basename(path):28s} warps {warps} stages {stages} regs {regs and regs.group(1)} "
           f"spill {spill and spill.group(1)} B smem {kernel.metadata.shared} B  {counts}"
           + "".join(f"\n    loop @{start:#x}: {body}" for start, body in loops(sass)))
 
@@ -144,9 +143,9 @@ def main():
   with tempfile.TemporaryDirectory() as out_dir, pallas_gpu.configured(**_parse_set(a.set)):
     kernels = dump_ttir(dtype, out_dir)
     print(f"{a.dtype} {' '.join(a.set) or 'defaults'}")
-    for path, warps in kernels:
+    for path, warps, stages in kernels:
       try:
-        print(compile_stats(path, warps, bin_dir), flush=True)
+        print(compile_stats(path, warps, stages, bin_dir), flush=True)
       except Exception as e:  # report and go on with the other kernels
         print(f"{os.path.basename(path)} FAILED: {str(e)[-400:]}", flush=True)
 
