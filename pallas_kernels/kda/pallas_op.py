@@ -44,10 +44,7 @@ def _launchers(platform: str):
 
 def _forward(q, k, v, g, beta, s0, cnt, *, scale, chunk, platform, interpret, save):
   mod = _launchers(platform)
-  if hasattr(mod, "chunk_cumsum"):      # the launchers may bring a kernel for it
-    gam = mod.chunk_cumsum(g, chunk, interpret=interpret)
-  else:
-    gam = intra_lib.chunk_cumsum(g, chunk)
+  gam = mod.chunk_cumsum(g, chunk, interpret=interpret)
   d = intra_lib.state_decay(gam, cnt, chunk)
   aqk, w, u, qg, kt, akk, inv = mod.intra(q, k, v, gam, beta.astype(F32), cnt, scale=scale,
                                           chunk=chunk, interpret=interpret, save=save)

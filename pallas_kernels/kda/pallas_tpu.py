@@ -38,6 +38,12 @@ def block_v(dv: int) -> int:
   return min(dv, 128)
 
 
+def chunk_cumsum(g, chunk, *, interpret):
+  """Γ: the in-chunk cumulative sum of g, by XLA (intra.chunk_cumsum)."""
+  del interpret
+  return intra_lib.chunk_cumsum(g, chunk)
+
+
 def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
   """Same contract as pallas_gpu.intra (akk and inv are always computed: the kernel body is the
   shared `kernels.intra_kernel`); grid (B, H, N), all parallel."""
