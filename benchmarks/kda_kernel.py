@@ -40,6 +40,7 @@ Prints the log and a markdown table (ms, and × fla) at the end; --json dumps th
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -219,13 +220,34 @@ def jax_calls(backend, v_shape):
   return fwd, jax.jit(jax.grad(loss, argnums=range(5)))
 
 
+def compile_parallel(jobs, workers=8):
+  """{key: compiled} for jobs (key, pallas_gpu.configured keywords, jitted fn, args): each is
+  lowered here under its settings (tracing reads the global settings), then all are compiled in
+  `workers` threads at once (XLA compiles outside the GIL; one unrolled-kernel variant takes
+  ~25 s to compile, so a run of many variants is bound by compiles done one by one)."""
+  lowered = {}
+  for key, kw, fn, args in jobs:
+    with pallas_gpu.configured(**kw):
+      lowered[key] = fn.lower(*args)
+  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    futures = {key: pool.submit(low.compile) for key, low in lowered.items()}
+    out = {}
+    for key, fut in futures.items():
+      try:
+        out[key] = fut.result()
+      except Exception:  # this key fails when it is used; the others still run
+        print(f"compile {key} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+  return out
+
+
 def _median_ms(run_loop, reps=5):
   return statistics.median(run_loop() for _ in range(reps))
 
 
-def time_jax(backend, arrays, reps=10):
-  """(fwd ms, fwd+bwd ms) of our op with `backend`."""
-  return [median_call_ms(fn, *arrays, reps=reps) for fn in jax_calls(backend, arrays[2].shape)]
+def time_jax(backend, arrays, reps=10, fns=None):
+  """(fwd ms, fwd+bwd ms) of our op with `backend` (or of the given compiled `fns`)."""
+  fns = fns or jax_calls(backend, arrays[2].shape)
+  return [median_call_ms(fn, *arrays, reps=reps) for fn in fns]
 
 
 def median_call_ms(fn, *args, reps=10):
@@ -292,6 +314,8 @@ def main():
                   help="pallas_gpu variants to check against the reference")
   ap.add_argument("--skip", default="", help="comma list of: check,fla_check,fla,pallas_gpu,jax")
   ap.add_argument("--json", default="")
+  ap.add_argument("--compile-workers", type=int, default=8,
+                  help="threads compiling the pallas_gpu variants of a shape before timing them")
   a = ap.parse_args()
   skip = set(filter(None, a.skip.split(",")))
   variants = [v for v in a.variants.split(",") if v]
@@ -324,14 +348,24 @@ def main():
     np_in = _inputs(rng, b, t, h, "bf16")
     arrays = tuple(jnp.asarray(x, jnp.float32 if i == 3 else jnp.bfloat16)
                    for i, x in enumerate(np_in))
+    start = time.perf_counter()
+    compiled = compile_parallel(
+        [((variant, i), parse_variant(variant), fn, arrays) for name, variant in entries
+         if variant is not None
+         for i, fn in enumerate(jax_calls("pallas_gpu", arrays[2].shape))], a.compile_workers)
+    lines.append(f"compile {shape}: {len(compiled)} executables in "
+                 f"{time.perf_counter() - start:.0f} s ({a.compile_workers} threads)")
+    print(lines[-1], flush=True)
     for name, variant in entries:
       start = time.perf_counter()
       try:
         if name == "fla":
           res = time_fla(np_in)
         elif variant is not None:
-          with pallas_gpu.configured(**parse_variant(variant)):
-            res = time_jax("pallas_gpu", arrays)
+          fns = [compiled.get((variant, i)) for i in range(2)]
+          if None in fns:
+            raise RuntimeError(f"{variant} did not compile (see the compile line above)")
+          res = time_jax("pallas_gpu", arrays, fns=fns)
         else:
           res = time_jax(name, arrays)
         results[(shape, name)] = res

@@ -29,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kda_kernel import _inputs, fla_calls, jax_calls, parse_variant  # noqa: E402
-from pallas_kernels.kda import pallas_gpu  # noqa: E402
+from benchmarks.kda_kernel import (_inputs, compile_parallel, fla_calls, jax_calls,  # noqa: E402
+                                   parse_variant)
 
 
 def device_kernel_us(trace_path: str, device_marker: str) -> dict[str, float]:
@@ -107,6 +107,7 @@ def main():
   ap.add_argument("--fla", action="store_true")
   ap.add_argument("--marker", default="GPU", help="process-name marker of device events")
   ap.add_argument("--backend", default="pallas_gpu")
+  ap.add_argument("--compile-workers", type=int, default=8)
   a = ap.parse_args()
   variants = [v for v in a.variants.split(",") if v]
   for v in variants:
@@ -118,11 +119,13 @@ def main():
     np_in = _inputs(rng, b, t, h, "bf16")
     args = tuple(jnp.asarray(x, jnp.float32 if i == 3 else jnp.bfloat16)
                  for i, x in enumerate(np_in))
+    compiled = compile_parallel([(v, parse_variant(v), jax_calls(a.backend, args[2].shape)[1],
+                                  args) for v in variants], a.compile_workers)
     for v in variants:
       try:
-        with pallas_gpu.configured(**parse_variant(v)):
-          fwd_bwd = jax_calls(a.backend, args[2].shape)[1]
-          totals = trace_jax(fwd_bwd, args, a.calls, a.marker)
+        if v not in compiled:
+          raise RuntimeError(f"{v} did not compile (see the compile line above)")
+        totals = trace_jax(compiled[v], args, a.calls, a.marker)
         report(f"{shape} {a.backend}[{v}]", totals, a.calls, lines)
       except Exception:
         lines.append(f"{shape} {v} FAILED: {traceback.format_exc()[-1500:]}")
