@@ -18,6 +18,7 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   unroll (kblocks backward with the levels written out [unroll_bwd]),
   tf32 (TF32 dots in the block-doubling WY inverse instead of bf16×3 [wy_dots]),
   wysplit (the WY step as inverse, W and U kernels [wy_split]),
+  sfwd (split forward state pass with the fused backward [split_fwd]),
   cumsum (the in-chunk cumsum of g as a Pallas kernel [cumsum_kernel]).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
@@ -82,7 +83,8 @@ _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
                  "bchunk": ("intra_bwd", "chunk"), "unroll": ("unroll_bwd", True),
-                 "wysplit": ("wy_split", True), "cumsum": ("cumsum_kernel", True),
+                 "wysplit": ("wy_split", True), "sfwd": ("split_fwd", True),
+                 "cumsum": ("cumsum_kernel", True),
                  **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
 
 
@@ -209,15 +211,17 @@ def fla_calls(np_inputs):
 
 
 def jax_calls(backend, v_shape):
-  """Our op with `backend`, jitted: forward (o) and forward + backward (gradients wrt q, k, v, g,
-  beta of Σ o·1), for inputs whose v has shape `v_shape`."""
+  """Our op with `backend`, jitted: forward (o) and forward + backward (Σ o·1 and its gradients
+  wrt q, k, v, g, beta), for inputs whose v has shape `v_shape`. The fwd+bwd returns the loss
+  too, as a training step uses o: with gradients alone XLA may drop a kernel that only makes o
+  (the split forward's output kernel), which fla's fwd+bwd (o.backward) cannot."""
   do = jnp.ones(v_shape, jnp.float32)
   fwd = jax.jit(lambda q, k, v, g, beta: kda(q, k, v, g, beta, backend=backend)[0])
 
   def loss(q, k, v, g, beta):
     return jnp.sum(kda(q, k, v, g, beta, backend=backend)[0].astype(jnp.float32) * do)
 
-  return fwd, jax.jit(jax.grad(loss, argnums=range(5)))
+  return fwd, jax.jit(jax.value_and_grad(loss, argnums=range(5)))
 
 
 def compile_parallel(jobs, workers=8):

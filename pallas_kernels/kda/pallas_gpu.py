@@ -45,6 +45,8 @@ class Settings:
   """Which kernel variants the launchers use and how they launch them (module default SETTINGS;
   `configured` swaps it for a block of code). Validated on construction."""
   split: bool = False          # state passes: fused (the measured one) or split
+  split_fwd: bool = False      # split forward state pass even when `split` is False (the fused
+                               # forward is one long sequential loop; split moves O out of it)
   bv: int = 32                 # V-columns per sequential state program (power of two >= 16)
   hoist_qdo: bool = True       # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V])
   state_warps: int = 4         # num_warps of the sequential state kernels
@@ -352,6 +354,8 @@ def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, split=None, b
   the per-chunk entering states h [B,N,H,K,V] and Δ [B,T,H,V] (storage dtype).
   split/bv/state_warps: the variant (None = SETTINGS)."""
   dv = u.shape[-1]
+  if split is None and SETTINGS.split_fwd:
+    split = True
   split, bv, warps = _variant(split, bv, dv, state_warps)
   if not split:
     return _state_fwd_fused(qg, kt, w, u, aqk, d, s0, chunk=chunk, save=save,
@@ -369,7 +373,8 @@ def _state_fwd_fused(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, bv, wa
   n = t // chunk
   st = qg.dtype
 
-  def kernel(qg_ref, kt_ref, w_ref, u_ref, aqk_ref, d_ref, s0_ref, o_ref, sf_ref, *saved):
+  def state_fwd_kernel(qg_ref, kt_ref, w_ref, u_ref, aqk_ref, d_ref, s0_ref, o_ref, sf_ref,
+                       *saved):
     def body(i, s):
       rows = pl.ds(i * chunk, chunk)
       if save:
@@ -391,7 +396,7 @@ def _state_fwd_fused(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, bv, wa
     out_shape += [jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
                   jax.ShapeDtypeStruct((b, t, h, dv), st)]
   return pl.pallas_call(
-      kernel, grid=(b, h, dv // bv),
+      state_fwd_kernel, grid=(b, h, dv // bv),
       in_specs=[_seq(t, dk), _seq(t, dk), _seq(t, dk), _seq_v(t, bv), _seq(t, chunk),
                 _decay_spec(n, dk), _state_spec(dk, bv)],
       out_specs=out_specs, out_shape=out_shape, interpret=interpret,
@@ -407,7 +412,7 @@ def _state_fwd_seq(kt, w, u, d, s0, *, chunk, interpret, bv, warps):
   n = t // chunk
   st = kt.dtype
 
-  def kernel(kt_ref, w_ref, u_ref, d_ref, s0_ref, sf_ref, hs_ref, delta_ref):
+  def state_seq_kernel(kt_ref, w_ref, u_ref, d_ref, s0_ref, sf_ref, hs_ref, delta_ref):
     def body(i, s):
       rows = pl.ds(i * chunk, chunk)
       hs_ref[i] = s.astype(hs_ref.dtype)
@@ -419,7 +424,7 @@ def _state_fwd_seq(kt, w, u, d, s0, *, chunk, interpret, bv, warps):
     sf_ref[...] = jax.lax.fori_loop(0, n, body, s0_ref[...].astype(F32))
 
   return pl.pallas_call(
-      kernel, grid=(b, h, dv // bv),
+      state_seq_kernel, grid=(b, h, dv // bv),
       in_specs=[_seq(t, dk), _seq(t, dk), _seq_v(t, bv), _decay_spec(n, dk),
                 _state_spec(dk, bv)],
       out_specs=[_state_spec(dk, bv), _chunks_v(n, dk, bv), _seq_v(t, bv)],
@@ -478,7 +483,8 @@ def _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, bv, warps)
   n = t // chunk
   st = qg.dtype
 
-  def kernel(do_ref, dsf_ref, qg_ref, kt_ref, w_ref, aqk_ref, d_ref, ds0_ref, dh_ref, ddelta_ref):
+  def state_bwd_kernel(do_ref, dsf_ref, qg_ref, kt_ref, w_ref, aqk_ref, d_ref, ds0_ref, dh_ref,
+                       ddelta_ref):
     def body(j, ds):
       i = n - 1 - j
       rows = pl.ds(i * chunk, chunk)
@@ -491,7 +497,7 @@ def _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, bv, warps)
     ds0_ref[...] = jax.lax.fori_loop(0, n, body, dsf_ref[...].astype(F32))
 
   return pl.pallas_call(
-      kernel, grid=(b, h, dv // bv),
+      state_bwd_kernel, grid=(b, h, dv // bv),
       in_specs=[_seq_v(t, bv), _state_spec(dk, bv), _seq(t, dk), _seq(t, dk), _seq(t, dk),
                 _seq(t, chunk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
@@ -530,8 +536,8 @@ def _state_bwd_seq(local, do, dsf, qg, kt, w, d, *, chunk, interpret, bv, warps)
   st = qg.dtype
   hoisted = len(local) == 2
 
-  def kernel(ddl_ref, dsl_or_do_ref, dsf_ref, qg_ref, kt_ref, w_ref, d_ref,
-             ds0_ref, dh_ref, ddelta_ref):
+  def state_bwd_seq_kernel(ddl_ref, dsl_or_do_ref, dsf_ref, qg_ref, kt_ref, w_ref, d_ref,
+                           ds0_ref, dh_ref, ddelta_ref):
     def body(j, ds):
       i = n - 1 - j
       rows = pl.ds(i * chunk, chunk)
@@ -549,7 +555,7 @@ def _state_bwd_seq(local, do, dsf, qg, kt, w, d, *, chunk, interpret, bv, warps)
 
   second = (local[1], _chunks_v(n, dk, bv)) if hoisted else (do, _seq_v(t, bv))
   return pl.pallas_call(
-      kernel, grid=(b, h, dv // bv),
+      state_bwd_seq_kernel, grid=(b, h, dv // bv),
       in_specs=[_seq_v(t, bv), second[1], _state_spec(dk, bv), _seq(t, dk), _seq(t, dk),
                 _seq(t, dk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),

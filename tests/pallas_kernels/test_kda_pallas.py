@@ -31,7 +31,7 @@ VARIANTS = {
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
     "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16)),
-    "pallas_gpu_wy_split": ("pallas_gpu", dict(wy_split=True, intra_stages=2,
+    "pallas_gpu_wy_split": ("pallas_gpu", dict(wy_split=True, intra_stages=2, split_fwd=True,
                                                cumsum_kernel=True)),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
