@@ -17,9 +17,10 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   [intra_bk, intra_warps]), st<N> (num_stages of the intra kernels [intra_stages]),
   unroll (kblocks backward with the levels written out [unroll_bwd]),
   tf32 (TF32 dots in the block-doubling WY inverse instead of bf16×3 [wy_dots]),
-  wysplit (the WY step as inverse, W and U kernels [wy_split]),
-  sfwd (split forward state pass with the fused backward [split_fwd]),
-  cumsum (the in-chunk cumsum of g as a Pallas kernel [cumsum_kernel]).
+  wysplit / nowysplit (the WY step as inverse, W and U kernels, or one kernel [wy_split]),
+  sfwd / nosfwd (forward state pass split / fused whatever the grid [split_fwd]; default: by
+  grid size), sbv<N> (V-block of that split forward [split_fwd_bv]),
+  cumsum / nocumsum (the in-chunk cumsum of g as a Pallas kernel or XLA's [cumsum_kernel]).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
 1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
@@ -79,12 +80,13 @@ def _inputs(rng, b, t, h, dtype):
 # Variant options joined by "-": <prefix><N> integer settings and named flags (pallas_gpu.Settings).
 _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_warps",
                 "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps",
-                "sbk": "strip_bk", "st": "intra_stages"}
+                "sbk": "strip_bk", "st": "intra_stages", "sbv": "split_fwd_bv"}
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
                  "bchunk": ("intra_bwd", "chunk"), "unroll": ("unroll_bwd", True),
-                 "wysplit": ("wy_split", True), "sfwd": ("split_fwd", True),
-                 "cumsum": ("cumsum_kernel", True),
+                 "wysplit": ("wy_split", True), "nowysplit": ("wy_split", False),
+                 "sfwd": ("split_fwd", True), "nosfwd": ("split_fwd", False),
+                 "cumsum": ("cumsum_kernel", True), "nocumsum": ("cumsum_kernel", False),
                  **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
 
 

@@ -45,8 +45,11 @@ class Settings:
   """Which kernel variants the launchers use and how they launch them (module default SETTINGS;
   `configured` swaps it for a block of code). Validated on construction."""
   split: bool = False          # state passes: fused (the measured one) or split
-  split_fwd: bool = False      # split forward state pass even when `split` is False (the fused
-                               # forward is one long sequential loop; split moves O out of it)
+  split_fwd: bool | None = None  # split forward state pass even when `split` is False; None =
+                               # when the fused forward's B·H·V/bv programs exceed the GPU's SMs
+                               # (`split_forward`: with spare programs the short sequential loop
+                               # + chunk-parallel O wins, 1×8192×96; in one wave fused wins)
+  split_fwd_bv: int = 64       # V-block of that split forward's sequential kernel
   bv: int = 32                 # V-columns per sequential state program (power of two >= 16)
   hoist_qdo: bool = True       # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V])
   state_warps: int = 4         # num_warps of the sequential state kernels
@@ -59,17 +62,17 @@ class Settings:
   strip_warps: int = 1         # num_warps of the "strips" score kernel (one 16-row strip each)
   wy_warps: int = 2            # num_warps of the "strips" WY kernel (one chunk in 16-row blocks)
   strip_bk: int = 32           # K-columns per block in the "strips" score kernel
-  wy_split: bool = False       # "strips" WY step as inverse + per-K-block W + per-V-block U
-                               # kernels (fla's layout) instead of one kernel; not yet on a GPU
-  cumsum_kernel: bool = False  # in-chunk cumsum of g by `chunk_cumsum` (a Pallas kernel) instead
-                               # of XLA's reduce-window; not yet on a GPU
-  intra_stages: int = 1        # Triton num_stages (software pipelining of the K-block loops' loads)
-                               # of the intra-chunk kernels; not yet swept on a GPU
+  wy_split: bool = True        # "strips" WY step as inverse + per-K-block W + per-V-block U
+                               # kernels (fla's layout) instead of one kernel
+  cumsum_kernel: bool = True   # in-chunk cumsum of g by `chunk_cumsum` (a Pallas kernel) instead
+                               # of XLA's reduce-window (0.16 ms at 2×8192×16, session 6)
+  intra_stages: int = 3        # Triton num_stages (software pipelining of the K-block loops' loads)
+                               # of the intra-chunk kernels (1 → 3: −8 % fwd+bwd, session 6)
   unroll_bwd: bool = False     # "kblocks" backward: levels written out (static masks) or a loop
   wy_dots: str = "bf16x3"      # dots of the block-doubling WY inverse: "bf16x3" or "tf32"
 
   def __post_init__(self):
-    for name in ("bv", "intra_bk", "strip_bk"):
+    for name in ("bv", "intra_bk", "strip_bk", "split_fwd_bv"):
       _check_bv(getattr(self, name), name)
     for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps"):
       _check_warps(getattr(self, name), name)
@@ -135,6 +138,20 @@ def _variant(split, bv, dv, warps):
   split = SETTINGS.split if split is None else split
   warps = _check_warps(SETTINGS.state_warps if warps is None else warps)
   return split, block_v(dv, bv), warps
+
+
+def split_forward(b: int, h: int, dv: int, sm_count: int | None) -> bool:
+  """Whether the forward state pass runs split (SETTINGS.split or split_fwd; split_fwd None: when
+  the fused kernel's B·H·V/bv sequential programs are more than the `sm_count` SMs, None on CPU).
+  Measured on an H200 (132 SMs, session 6): 2×8192×16 (128 programs) fused 0.345 vs split
+  0.416 ms; 1×8192×96 (384 programs) fused 1.260 vs split 0.806 ms."""
+  if SETTINGS.split or SETTINGS.split_fwd is not None:
+    return SETTINGS.split or SETTINGS.split_fwd
+  return sm_count is not None and b * h * (dv // block_v(dv)) > sm_count
+
+
+def _sm_count(interpret: bool) -> int | None:
+  return None if interpret else getattr(jax.devices()[0], "core_count", None)
 
 
 def _intra_bk(dk: int, dtype, bk: int | None = None) -> int:
@@ -353,9 +370,10 @@ def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, split=None, b
   """State pass + outputs. Returns (o [B,T,H,V] fp32, S_final [B,H,K,V] fp32) and, when `save`,
   the per-chunk entering states h [B,N,H,K,V] and Δ [B,T,H,V] (storage dtype).
   split/bv/state_warps: the variant (None = SETTINGS)."""
+  b, _, h, _ = qg.shape
   dv = u.shape[-1]
-  if split is None and SETTINGS.split_fwd:
-    split = True
+  if split is None and not SETTINGS.split and split_forward(b, h, dv, _sm_count(interpret)):
+    split, bv = True, bv or SETTINGS.split_fwd_bv
   split, bv, warps = _variant(split, bv, dv, state_warps)
   if not split:
     return _state_fwd_fused(qg, kt, w, u, aqk, d, s0, chunk=chunk, save=save,

@@ -151,22 +151,42 @@ def _pallas_calls(fn, *args):
 
 
 def test_variant_switch_reaches_the_kernels():
-  # The variant is read at trace time: the default fused forward has 3 kernels (strip scores, WY,
-  # state), the split one 4 (+ output); fwd+bwd adds state_bwd, chunk_bwd, WY backward and score
-  # backward: 7, split 9 (+ output, + local backward); the columns forward is one intra kernel.
+  # The variant is read at trace time: the default forward has 6 kernels (cumsum, strip scores,
+  # WY inverse, W, U, fused state), the split one 7 (+ output); fwd+bwd adds state_bwd,
+  # chunk_bwd, WY backward and score backward: 10, split 12 (+ output, + local backward),
+  # split forward only 11; the columns forward is one intra kernel, the unsplit WY one kernel.
   # `configured` clears JAX's caches, so switching back and forth inside one process retraces.
   q, k, v, g, beta, _ = make_inputs(24, b=1, t=64, h=1, dk=16, dv=16, dtype=jnp.float32)
   fwd = lambda *a: kda(*a, backend="pallas_gpu")[0]
   grad = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=range(5))
   counts = lambda: (_pallas_calls(fwd, q, k, v, g, beta), _pallas_calls(grad, q, k, v, g, beta))
-  assert counts() == (3, 7)
+  assert counts() == (6, 10)
   with pallas_gpu.configured(split=True, bv=16):
-    assert counts() == (4, 9)
+    assert counts() == (7, 12)
     assert pallas_gpu.SETTINGS.split and pallas_gpu.SETTINGS.bv == 16
+  with pallas_gpu.configured(split_fwd=True, split_fwd_bv=16):
+    assert counts() == (7, 11)
+  with pallas_gpu.configured(wy_split=False, cumsum_kernel=False):
+    assert counts() == (3, 7)
   with pallas_gpu.configured(intra_fwd="columns", intra_bwd="chunk"):
-    assert counts() == (2, 5)
-  assert counts() == (3, 7)
+    assert counts() == (3, 6)
+  assert counts() == (6, 10)
   assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
+
+
+def test_split_forward_by_grid_size():
+  # Default (split_fwd None): the forward state pass runs split only when the fused kernel's
+  # B·H·V/bv programs exceed the SMs (H200: 132; bv 32): 2×16 heads = 128 programs stay fused,
+  # 1×96 heads = 384 split; never in interpret mode (no SM count). split_fwd / split override.
+  assert not pallas_gpu.split_forward(2, 16, 128, 132)
+  assert pallas_gpu.split_forward(1, 96, 128, 132)
+  assert not pallas_gpu.split_forward(1, 96, 128, None)
+  with pallas_gpu.configured(split_fwd=False):
+    assert not pallas_gpu.split_forward(1, 96, 128, 132)
+  with pallas_gpu.configured(split_fwd=True):
+    assert pallas_gpu.split_forward(2, 16, 128, 132)
+  with pallas_gpu.configured(split=True):
+    assert pallas_gpu.split_forward(1, 1, 128, None)
 
 
 @pytest.mark.parametrize("kw, match", [(dict(bv=48), "bv must be a power of two"),
