@@ -14,13 +14,15 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   cw<N> / sw<N> / ww<N> (num_warps of the columns / strips score / strips WY kernel
   [columns_warps, strip_warps, wy_warps]), sbk<N> (K-block of the strips score kernel
   [strip_bk]), ibk<N> / iw<N> (K-block and num_warps of the levels, WY and backward kernels
-  [intra_bk, intra_warps]), st<N> (num_stages of the intra kernels [intra_stages]),
+  [intra_bk, intra_warps]), st<N> / sst<N> (num_stages of the intra / the sequential state
+  kernels [intra_stages, state_stages]),
   unroll (kblocks backward with the levels written out [unroll_bwd]),
   tf32 (TF32 dots in the block-doubling WY inverse instead of bf16×3 [wy_dots]),
   wysplit / nowysplit (the WY step as inverse, W and U kernels, or one kernel [wy_split]),
   sfwd / nosfwd (forward state pass split / fused whatever the grid [split_fwd]; default: by
   grid size), sbv<N> (V-block of that split forward [split_fwd_bv]),
-  cumsum / nocumsum (the in-chunk cumsum of g as a Pallas kernel or XLA's [cumsum_kernel]).
+  cumsum / nocumsum (the in-chunk cumsum of g as a Pallas kernel or XLA's [cumsum_kernel]),
+  nofusewu (split WY step with separate W and U kernels [fuse_wu]).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
 1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
@@ -80,13 +82,15 @@ def _inputs(rng, b, t, h, dtype):
 # Variant options joined by "-": <prefix><N> integer settings and named flags (pallas_gpu.Settings).
 _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_warps",
                 "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps",
-                "sbk": "strip_bk", "st": "intra_stages", "sbv": "split_fwd_bv"}
+                "sbk": "strip_bk", "st": "intra_stages", "sbv": "split_fwd_bv",
+                "sst": "state_stages"}
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
                  "bchunk": ("intra_bwd", "chunk"), "unroll": ("unroll_bwd", True),
                  "wysplit": ("wy_split", True), "nowysplit": ("wy_split", False),
                  "sfwd": ("split_fwd", True), "nosfwd": ("split_fwd", False),
                  "cumsum": ("cumsum_kernel", True), "nocumsum": ("cumsum_kernel", False),
+                 "nofusewu": ("fuse_wu", False),
                  **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
 
 

@@ -270,7 +270,7 @@ def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
   stay small: X = (I + N)⁻¹ (N = Diag(β) A_kk) by block forward substitution — X_ii = (I +
   N_ii)⁻¹ by block doubling, X_ij = −X_ii Σ_{j≤m<i} N_im X_mj — then W_i = Σ_j X_ij Diag(β)
   e^Γ⊙K_j (rows that see S₀), U_i = Σ_j X_ij Diag(β) V_j, e^Γ⊙Q and e^{Γ_C−Γ}⊙K (rows of the
-  last segment). Writes X [C, C] fp32 too when `inv_ref` is given (training)."""
+  last segment). Writes X [C, C] (in inv_ref's dtype) too when `inv_ref` is given (training)."""
   c, dk = q_ref.shape
   dv = v_ref.shape[1]
   nb = c // sub
@@ -334,16 +334,19 @@ def _blocked_inverse(beta_ref, akk_ref, *, sub, mm_dtype, wy_dots):
 
 
 def _write_blocks(ref, x, sub):
-  """The lower-triangular block dict of `_blocked_inverse` into ref [C, C] (zeros above)."""
+  """The lower-triangular block dict of `_blocked_inverse` into ref [C, C] (zeros above), in the
+  ref's dtype (the dots' operand dtype: every reader casts X to it, so storing it rounded is
+  exact and halves X's traffic for bf16)."""
   nb = ref.shape[0] // sub
-  zero = jnp.zeros((sub, sub), F32)
+  zero = jnp.zeros((sub, sub), ref.dtype)
   for i in range(nb):
     for j in range(nb):
-      ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = x[i, j] if j <= i else zero
+      ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = (x[i, j].astype(ref.dtype) if j <= i
+                                                      else zero)
 
 
 def inverse_kernel(beta_ref, akk_ref, inv_ref, *, sub, mm_dtype, wy_dots="bf16x3"):
-  """First half of the split WY step ("wy_split"), one chunk: X [C, C] fp32 only (see
+  """First half of the split WY step ("wy_split"), one chunk: X [C, C] only (see
   `_blocked_inverse`); `w_kernel` / `u_kernel` then apply it per column block."""
   _write_blocks(inv_ref, _blocked_inverse(beta_ref, akk_ref, sub=sub, mm_dtype=mm_dtype,
                                           wy_dots=wy_dots), sub)
@@ -354,20 +357,39 @@ def w_kernel(q_ref, k_ref, gam_ref, beta_ref, cnt_ref, inv_ref, w_ref, qg_ref, k
   """Second half of the split WY step for one chunk and one block of K columns (grid B × N·K/bk ×
   H, like fla's recompute_w_u): W = X Diag(β) e^Γ⊙K (rows that see S₀), e^Γ⊙Q and e^{Γ_C−Γ}⊙K
   (rows of the last segment). Refs q, k, gam, outputs [C, bk]; beta, cnt [C, 1]; inv [C, C]."""
-  c = q_ref.shape[0]
-  cnt = cnt_ref[...]
-  qg, kg, kt = gated(q_ref[...].astype(F32) * scale, k_ref[...].astype(F32), gam_ref[...],
-                     cnt == 0.0, cnt == cnt_ref[pl.ds(c - 1, 1), :], gam_ref[pl.ds(c - 1, 1), :])
-  w_ref[...] = mm(inv_ref[...].astype(mm_dtype), beta_ref[...].astype(F32) * kg,
-                  mm_dtype).astype(w_ref.dtype)
-  qg_ref[...] = qg.astype(qg_ref.dtype)
-  kt_ref[...] = kt.astype(kt_ref.dtype)
+  _write_w(q_ref, k_ref, gam_ref, beta_ref[...].astype(F32), cnt_ref,
+           inv_ref[...].astype(mm_dtype), w_ref, qg_ref, kt_ref, scale=scale, mm_dtype=mm_dtype)
 
 
 def u_kernel(v_ref, beta_ref, inv_ref, u_ref, *, mm_dtype):
   """U = X Diag(β) V for one chunk and one block of V columns (the split WY step)."""
-  u_ref[...] = mm(inv_ref[...].astype(mm_dtype), beta_ref[...].astype(F32)
-                  * v_ref[...].astype(F32), mm_dtype).astype(u_ref.dtype)
+  _write_u(v_ref, beta_ref[...].astype(F32), inv_ref[...].astype(mm_dtype), u_ref,
+           mm_dtype=mm_dtype)
+
+
+def wu_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, inv_ref, w_ref, u_ref, qg_ref,
+              kt_ref, *, scale, mm_dtype):
+  """`w_kernel` and `u_kernel` in one program when the K- and V-blocks coincide (K = V): X and
+  β are read once per block instead of twice, and one launch fewer."""
+  beta, x = beta_ref[...].astype(F32), inv_ref[...].astype(mm_dtype)
+  _write_w(q_ref, k_ref, gam_ref, beta, cnt_ref, x, w_ref, qg_ref, kt_ref, scale=scale,
+           mm_dtype=mm_dtype)
+  _write_u(v_ref, beta, x, u_ref, mm_dtype=mm_dtype)
+
+
+def _write_w(q_ref, k_ref, gam_ref, beta, cnt_ref, x, w_ref, qg_ref, kt_ref, *, scale, mm_dtype):
+  """W = X Diag(β) e^Γ⊙K, e^Γ⊙Q, e^{Γ_C−Γ}⊙K for one block of columns (x: X in mm_dtype)."""
+  c = q_ref.shape[0]
+  cnt = cnt_ref[...]
+  qg, kg, kt = gated(q_ref[...].astype(F32) * scale, k_ref[...].astype(F32), gam_ref[...],
+                     cnt == 0.0, cnt == cnt_ref[pl.ds(c - 1, 1), :], gam_ref[pl.ds(c - 1, 1), :])
+  w_ref[...] = mm(x, beta * kg, mm_dtype).astype(w_ref.dtype)
+  qg_ref[...] = qg.astype(qg_ref.dtype)
+  kt_ref[...] = kt.astype(kt_ref.dtype)
+
+
+def _write_u(v_ref, beta, x, u_ref, *, mm_dtype):
+  u_ref[...] = mm(x, beta * v_ref[...].astype(F32), mm_dtype).astype(u_ref.dtype)
 
 
 def intra_bwd_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, akk_ref, inv_ref,

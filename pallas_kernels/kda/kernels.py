@@ -12,7 +12,6 @@ in-chunk cumulative log-decay; masks from the in-chunk reset count cnt (k3-math 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

@@ -53,6 +53,7 @@ class Settings:
   bv: int = 32                 # V-columns per sequential state program (power of two >= 16)
   hoist_qdo: bool = True       # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V])
   state_warps: int = 4         # num_warps of the sequential state kernels
+  state_stages: int = 2        # their Triton num_stages (prefetch of the next chunk's loads)
   # Defaults: the fastest measured on an H200 (benchmarks/kda_kernel.md, session 5).
   intra_fwd: str = "strips"    # forward intra kernel: "columns", "levels" or "strips" (see intra)
   intra_bwd: str = "kblocks"   # backward intra kernel: "chunk", "kblocks" or "strips" (intra_bwd)
@@ -64,6 +65,7 @@ class Settings:
   strip_bk: int = 32           # K-columns per block in the "strips" score kernel
   wy_split: bool = True        # "strips" WY step as inverse + per-K-block W + per-V-block U
                                # kernels (fla's layout) instead of one kernel
+  fuse_wu: bool = True         # wy_split with K = V: W and U in one kernel (wu_kernel)
   cumsum_kernel: bool = True   # in-chunk cumsum of g by `chunk_cumsum` (a Pallas kernel) instead
                                # of XLA's reduce-window (0.16 ms at 2×8192×16, session 6)
   intra_stages: int = 3        # Triton num_stages (software pipelining of the K-block loops' loads)
@@ -76,9 +78,10 @@ class Settings:
       _check_bv(getattr(self, name), name)
     for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps"):
       _check_warps(getattr(self, name), name)
-    if self.intra_stages not in (1, 2, 3, 4):
-      raise ValueError(f"kda pallas_gpu: intra_stages must be 1, 2, 3 or 4, got "
-                       f"{self.intra_stages!r}")
+    for name in ("intra_stages", "state_stages"):
+      if getattr(self, name) not in (1, 2, 3, 4):
+        raise ValueError(f"kda pallas_gpu: {name} must be 1, 2, 3 or 4, got "
+                         f"{getattr(self, name)!r}")
     for name, allowed in (("intra_fwd", INTRA_FWDS), ("intra_bwd", INTRA_BWDS),
                           ("wy_dots", ("bf16x3", "tf32"))):
       if getattr(self, name) not in allowed:
@@ -190,7 +193,8 @@ def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
   "strips":  intra_levels.strip_scores_kernel, one program per 16-row strip, then
              intra_levels.wy_kernel per chunk (inverse by 16-row blocks, W, U).
   Returns aqk [B,T,H,C], w/qg/kt [B,T,H,K], u [B,T,H,V] in q's dtype (the dots' operand dtype),
-  then, when `save` (training), akk, inv [B,T,H,C] fp32 for the backward (else None, None)."""
+  then, when `save` (training), akk [B,T,H,C] fp32 and inv [B,T,H,C] (fp32 from the columns /
+  levels kernels, q's dtype from strips) for the backward (else None, None)."""
   if SETTINGS.intra_fwd == "strips":
     return _intra_strips(q, k, v, gam, beta, cnt, scale=scale, chunk=chunk, interpret=interpret,
                          save=save)
@@ -263,7 +267,7 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]
   out_specs = [tok(dk), tok(dv), tok(dk), tok(dk)]
   if save:
-    shapes.append(jax.ShapeDtypeStruct((b, t, h, chunk), F32))
+    shapes.append(jax.ShapeDtypeStruct((b, t, h, chunk), st))   # X in the dots' dtype
     out_specs.append(tok(chunk))
   outs = pl.pallas_call(
       functools.partial(intra_levels.wy_kernel, scale=scale, bk=bk, mm_dtype=st,
@@ -280,7 +284,8 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
 def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret):
   """The WY step as three chunk-parallel kernels ("wy_split"): X per chunk (inverse_kernel), then
   W, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk and K-block (w_kernel) and U per chunk and V-block
-  (u_kernel). Returns w, u, qg, kt in q's dtype and X [B,T,H,C] fp32 (always written)."""
+  (u_kernel). Returns w, u, qg, kt and X [B,T,H,C] (always written) in q's dtype (X: every
+  reader casts it to the dots' dtype, q's)."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
@@ -291,12 +296,23 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret)
       functools.partial(intra_levels.inverse_kernel, sub=sub, mm_dtype=st,
                         wy_dots=SETTINGS.wy_dots),
       grid=(b, n, h), in_specs=[tok(1), tok(chunk)], out_specs=tok(chunk),
-      out_shape=jax.ShapeDtypeStruct((b, t, h, chunk), F32), interpret=interpret,
+      out_shape=jax.ShapeDtypeStruct((b, t, h, chunk), st), interpret=interpret,
       compiler_params=params(SETTINGS.wy_warps),
   )(beta[..., None], akk)
   nkb, vb = dk // bk, min(bk, dv)
   nvb = dv // vb
   kblk = _col_block(chunk, bk, nkb)
+  if SETTINGS.fuse_wu and dv == dk:
+    w, u, qg, kt = pl.pallas_call(
+        functools.partial(intra_levels.wu_kernel, scale=scale, mm_dtype=st),
+        grid=(b, n * nkb, h),
+        in_specs=[kblk, kblk, kblk, kblk, _tok(chunk, 1, nkb), _cnt_col(chunk, nkb),
+                  _tok(chunk, chunk, nkb)],
+        out_specs=[kblk] * 4,
+        out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), st)] * 4, interpret=interpret,
+        compiler_params=params(SETTINGS.intra_warps),
+    )(q, k, v, gam, beta[..., None], cnt[..., None], inv)
+    return w, u, qg, kt, inv
   w, qg, kt = pl.pallas_call(
       functools.partial(intra_levels.w_kernel, scale=scale, mm_dtype=st),
       grid=(b, n * nkb, h),
@@ -367,7 +383,8 @@ def _chunk_state(dk, dv):
 
 def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, split=None, bv=None,
               state_warps=None):
-  """State pass + outputs. Returns (o [B,T,H,V] fp32, S_final [B,H,K,V] fp32) and, when `save`,
+  """State pass + outputs. Returns (o [B,T,H,V] in qg's dtype (fp32 sums, rounded once: no XLA
+  convert after the kernel), S_final [B,H,K,V] fp32) and, when `save`,
   the per-chunk entering states h [B,N,H,K,V] and Δ [B,T,H,V] (storage dtype).
   split/bv/state_warps: the variant (None = SETTINGS)."""
   b, _, h, _ = qg.shape
@@ -407,7 +424,7 @@ def _state_fwd_fused(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, bv, wa
     sf_ref[...] = jax.lax.fori_loop(0, n, body, s0_ref[...].astype(F32))
 
   out_specs = [_seq_v(t, bv), _state_spec(dk, bv)]
-  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), F32),
+  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), st),
                jax.ShapeDtypeStruct((b, h, dk, dv), F32)]
   if save:
     out_specs += [_chunks_v(n, dk, bv), _seq_v(t, bv)]
@@ -418,7 +435,7 @@ def _state_fwd_fused(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, bv, wa
       in_specs=[_seq(t, dk), _seq(t, dk), _seq(t, dk), _seq_v(t, bv), _seq(t, chunk),
                 _decay_spec(n, dk), _state_spec(dk, bv)],
       out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-      compiler_params=None if interpret else _params(warps, 2),
+      compiler_params=None if interpret else _params(warps, SETTINGS.state_stages),
   )(qg, kt, w, u, aqk, d, s0)
 
 
@@ -449,14 +466,14 @@ def _state_fwd_seq(kt, w, u, d, s0, *, chunk, interpret, bv, warps):
       out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
                  jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
                  jax.ShapeDtypeStruct((b, t, h, dv), st)],
-      interpret=interpret, compiler_params=None if interpret else _params(warps, 2),
+      interpret=interpret, compiler_params=None if interpret else _params(warps, SETTINGS.state_stages),
   )(kt, w, u, d, s0)
 
 
 def output(qg, hs, aqk, delta, *, chunk, interpret):
   """Split variant, chunk-parallel part of the forward over grid (B, N, H): O = Qg h + A_qk Δ
   (kernels.out_kernel). qg [B,T,H,K]; hs [B,N,H,K,V]; aqk [B,T,H,C]; delta [B,T,H,V].
-  Returns o [B,T,H,V] fp32."""
+  Returns o [B,T,H,V] in qg's dtype."""
   b, n, h, dk, dv = hs.shape
   t = n * chunk
   kernel = functools.partial(kernels.out_kernel, mm_dtype=qg.dtype)
@@ -464,7 +481,7 @@ def output(qg, hs, aqk, delta, *, chunk, interpret):
       kernel, grid=(b, n, h),
       in_specs=[_tok(chunk, dk), _chunk_state(dk, dv), _tok(chunk, chunk), _tok(chunk, dv)],
       out_specs=_tok(chunk, dv),
-      out_shape=jax.ShapeDtypeStruct((b, t, h, dv), F32),
+      out_shape=jax.ShapeDtypeStruct((b, t, h, dv), qg.dtype),
       interpret=interpret, compiler_params=None if interpret else _params(4, 1),
   )(qg, hs, aqk, delta)
 
@@ -519,7 +536,7 @@ def _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, bv, warps)
       in_specs=[_seq_v(t, bv), _state_spec(dk, bv), _seq(t, dk), _seq(t, dk), _seq(t, dk),
                 _seq(t, chunk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
-      interpret=interpret, compiler_params=None if interpret else _params(warps, 2),
+      interpret=interpret, compiler_params=None if interpret else _params(warps, SETTINGS.state_stages),
   )(do, dsf, qg, kt, w, aqk, d)
 
 
@@ -577,7 +594,7 @@ def _state_bwd_seq(local, do, dsf, qg, kt, w, d, *, chunk, interpret, bv, warps)
       in_specs=[_seq_v(t, bv), second[1], _state_spec(dk, bv), _seq(t, dk), _seq(t, dk),
                 _seq(t, dk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
-      interpret=interpret, compiler_params=None if interpret else _params(warps, 2),
+      interpret=interpret, compiler_params=None if interpret else _params(warps, SETTINGS.state_stages),
   )(local[0], second[0], dsf, qg, kt, w, d)
 
 

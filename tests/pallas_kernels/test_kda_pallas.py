@@ -30,7 +30,7 @@ VARIANTS = {
     "pallas_gpu_split_bv64_nohoist": ("pallas_gpu", dict(split=True, bv=64, hoist_qdo=False)),
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
-    "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16)),
+    "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16, fuse_wu=False)),
     "pallas_gpu_wy_split": ("pallas_gpu", dict(wy_split=True, intra_stages=2, split_fwd=True,
                                                cumsum_kernel=True)),
     "pallas_tpu": ("pallas_tpu", None),
@@ -151,26 +151,29 @@ def _pallas_calls(fn, *args):
 
 
 def test_variant_switch_reaches_the_kernels():
-  # The variant is read at trace time: the default forward has 6 kernels (cumsum, strip scores,
-  # WY inverse, W, U, fused state), the split one 7 (+ output); fwd+bwd adds state_bwd,
-  # chunk_bwd, WY backward and score backward: 10, split 12 (+ output, + local backward),
-  # split forward only 11; the columns forward is one intra kernel, the unsplit WY one kernel.
+  # The variant is read at trace time: the default forward has 5 kernels (cumsum, strip scores,
+  # WY inverse, W and U, fused state), the split one 6 (+ output); fwd+bwd adds state_bwd,
+  # chunk_bwd, WY backward and score backward: 9, split 11 (+ output, + local backward),
+  # split forward only 10; W and U apart +1; the columns forward is one intra kernel, the
+  # unsplit WY one kernel.
   # `configured` clears JAX's caches, so switching back and forth inside one process retraces.
   q, k, v, g, beta, _ = make_inputs(24, b=1, t=64, h=1, dk=16, dv=16, dtype=jnp.float32)
   fwd = lambda *a: kda(*a, backend="pallas_gpu")[0]
   grad = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=range(5))
   counts = lambda: (_pallas_calls(fwd, q, k, v, g, beta), _pallas_calls(grad, q, k, v, g, beta))
-  assert counts() == (6, 10)
+  assert counts() == (5, 9)
   with pallas_gpu.configured(split=True, bv=16):
-    assert counts() == (7, 12)
+    assert counts() == (6, 11)
     assert pallas_gpu.SETTINGS.split and pallas_gpu.SETTINGS.bv == 16
   with pallas_gpu.configured(split_fwd=True, split_fwd_bv=16):
-    assert counts() == (7, 11)
+    assert counts() == (6, 10)
+  with pallas_gpu.configured(fuse_wu=False):
+    assert counts() == (6, 10)
   with pallas_gpu.configured(wy_split=False, cumsum_kernel=False):
     assert counts() == (3, 7)
   with pallas_gpu.configured(intra_fwd="columns", intra_bwd="chunk"):
     assert counts() == (3, 6)
-  assert counts() == (6, 10)
+  assert counts() == (5, 9)
   assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
 
 
