@@ -131,9 +131,12 @@ def _precision(dtype):
 # ------------------------------------------------------------------------------------------ gmm
 
 def _gmm_kernel(gid_ref, blk_ref, vstart_ref, vsize_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *,
-                num_groups: int, transpose_rhs: bool):
+                num_groups: int, transpose_rhs: bool, k_tiles: int):
   """One grid step (n tile, item, k step): lhs_ref [tm, tk], rhs_ref [tk, tn] (or [tn, tk]),
-  out_ref [tm, tn] (resident over the item's K steps and over items sharing the row tile)."""
+  out_ref [tm, tn] (resident over the item's K steps and over items sharing the row tile).
+  Grid extents come in as static arguments, not pl.num_programs: jax 0.11.0–0.11.2 reuse a
+  kernel's traced jaxpr across grids, so num_programs can report an earlier call's grid
+  (jax-ml/jax#40847)."""
   del blk_ref  # used by the index maps only
   item, k_step = pl.program_id(1), pl.program_id(2)
   is_group = gid_ref[item] < num_groups            # else a tail item: zeros, no matmul
@@ -154,7 +157,7 @@ def _gmm_kernel(gid_ref, blk_ref, vstart_ref, vsize_ref, lhs_ref, rhs_ref, out_r
     keep_mn = _kept_rows(out_ref.shape, vstart_ref[item], vsize_ref[item])
     out_ref[...] = jnp.where(keep_mn, value_mn.astype(out_ref.dtype), out_ref[...])
 
-  last_k = k_step == pl.num_programs(2) - 1
+  last_k = k_step == k_tiles - 1
 
   @pl.when(last_k & is_group)
   def _store_product():
@@ -207,7 +210,8 @@ def gmm_tpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Array, *,
   rhs_block = (pl.Squeezed(), tn, tk) if transpose_rhs else (pl.Squeezed(), tk, tn)
   itemsize = jnp.dtype(lhs_mk.dtype).itemsize
   call = pl.pallas_call(
-      functools.partial(_gmm_kernel, num_groups=num_groups, transpose_rhs=transpose_rhs),
+      functools.partial(_gmm_kernel, num_groups=num_groups, transpose_rhs=transpose_rhs,
+                        k_tiles=k_tiles),
       out_shape=jax.ShapeDtypeStruct((m_pad, n), lhs_mk.dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=4,
@@ -255,11 +259,12 @@ def tgmm_schedule(group_sizes_g: jax.Array, num_rows: int, tile: int) -> RowSche
 
 
 def _tgmm_kernel(gid_ref, blk_ref, vstart_ref, vsize_ref, lhs_ref, dout_ref, out_ref, acc_ref, *,
-                 num_groups: int):
+                 num_groups: int, num_items: int):
   """One grid step (k tile, n tile, item): lhs_ref [tm, tk], dout_ref [tm, tn] → out_ref [tk, tn]
-  of the item's group (resident over the group's consecutive items)."""
+  of the item's group (resident over the group's consecutive items). num_items: the grid's
+  last extent, static (see _gmm_kernel)."""
   del blk_ref
-  item, num_items = pl.program_id(2), pl.num_programs(2)
+  item = pl.program_id(2)
   gid = gid_ref[item]
   is_group = gid < num_groups                      # tail items add nothing and store nothing
   first = (item == 0) | (gid_ref[jnp.maximum(item - 1, 0)] != gid)
@@ -315,7 +320,7 @@ def tgmm_tpu(lhs_mk: jax.Array, dout_mn: jax.Array, group_sizes_g: jax.Array, *,
 
   itemsize = jnp.dtype(lhs_mk.dtype).itemsize
   call = pl.pallas_call(
-      functools.partial(_tgmm_kernel, num_groups=num_groups),
+      functools.partial(_tgmm_kernel, num_groups=num_groups, num_items=num_items),
       out_shape=jax.ShapeDtypeStruct((num_groups, k, n), lhs_mk.dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=4,

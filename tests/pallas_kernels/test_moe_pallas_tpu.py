@@ -47,6 +47,24 @@ def test_forward_equals_float64_loop(m, sizes, dtype, rtol, atol):
   np.testing.assert_array_equal(out32[sum(sizes):], 0.0)       # rows in no group: zeros
 
 
+def test_grids_of_different_sizes_in_one_process():
+  """Back-to-back calls whose grids differ (1, 3 and 2 K steps; different item counts) each get
+  their own extents: jax 0.11.0–0.11.2 reuse a kernel jaxpr traced for an earlier grid, so
+  pl.num_programs could report that grid (jax-ml/jax#40847); the kernels take them statically."""
+  for seed, (m, k, sizes) in enumerate(((40, 128, [10, 30]), (90, 384, [50, 0, 40]),
+                                        (40, 256, [5, 35]))):
+    lhs, rhs = normal((m, k), 10 + seed), normal((len(sizes), k, N), 20 + seed)
+    gs = jnp.asarray(sizes, jnp.int32)
+    np.testing.assert_allclose(np.asarray(_gmm(lhs, rhs, gs)), loop_gmm(lhs, rhs, sizes),
+                               rtol=1e-5, atol=1e-4)
+    dout = normal((m, N), 30 + seed)
+    got = tgmm_tpu(lhs, dout, gs, config=CFG, interpret=INTERPRET)
+    ends = np.cumsum(sizes)
+    want = [np.asarray(lhs, np.float64)[e - n:e].T @ np.asarray(dout, np.float64)[e - n:e]
+            for n, e in zip(sizes, ends)]
+    np.testing.assert_allclose(np.asarray(got), np.stack(want), rtol=1e-5, atol=1e-4)
+
+
 def test_gradients_equal_reference_backend():
   """dlhs (gmm with rhsᵀ, no transpose materialised) and drhs (tgmm) vs the dense reference."""
   m, sizes = 75, [3, 0, 40, 17, 1]                              # 14 tail rows
