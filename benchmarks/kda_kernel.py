@@ -14,8 +14,9 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   cw<N> / sw<N> / ww<N> (num_warps of the columns / strips score / strips WY kernel
   [columns_warps, strip_warps, wy_warps]), sbk<N> (K-block of the strips score kernel
   [strip_bk]), ibk<N> / iw<N> (K-block and num_warps of the levels, WY and backward kernels
-  [intra_bk, intra_warps]), st<N> / sst<N> (num_stages of the intra / the sequential state
-  kernels [intra_stages, state_stages]),
+  [intra_bk, intra_warps]), st<N> / stst<N> / sst<N> (num_stages of the intra kernels / of
+  the strips score kernel / of the sequential state kernels [intra_stages, strip_stages,
+  state_stages]),
   unroll (kblocks backward with the levels written out [unroll_bwd]),
   tf32 (TF32 dots in the block-doubling WY inverse instead of bf16×3 [wy_dots]),
   wysplit / nowysplit (the WY step as inverse, W and U kernels, or one kernel [wy_split]),
@@ -83,7 +84,7 @@ def _inputs(rng, b, t, h, dtype):
 _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_warps",
                 "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps",
                 "sbk": "strip_bk", "st": "intra_stages", "sbv": "split_fwd_bv",
-                "sst": "state_stages"}
+                "sst": "state_stages", "stst": "strip_stages"}
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
                  "bchunk": ("intra_bwd", "chunk"), "unroll": ("unroll_bwd", True),

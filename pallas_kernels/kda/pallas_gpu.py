@@ -70,6 +70,9 @@ class Settings:
                                # of XLA's reduce-window (0.16 ms at 2×8192×16, session 6)
   intra_stages: int = 3        # Triton num_stages (software pipelining of the K-block loops' loads)
                                # of the intra-chunk kernels (1 → 3: −8 % fwd+bwd, session 6)
+  strip_stages: int = 2        # ... of the strips score kernel (session-6 traces: 0.382 / 0.423 /
+                               # 0.534 ms at 2 / 3 / 4 stages, 2×8192×16; 3 stages' 53 KB of
+                               # shared memory leave 4 one-warp programs per SM)
   unroll_bwd: bool = False     # "kblocks" backward: levels written out (static masks) or a loop
   wy_dots: str = "bf16x3"      # dots of the block-doubling WY inverse: "bf16x3" or "tf32"
 
@@ -78,7 +81,7 @@ class Settings:
       _check_bv(getattr(self, name), name)
     for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps"):
       _check_warps(getattr(self, name), name)
-    for name in ("intra_stages", "state_stages"):
+    for name in ("intra_stages", "strip_stages", "state_stages"):
       if getattr(self, name) not in (1, 2, 3, 4):
         raise ValueError(f"kda pallas_gpu: {name} must be 1, 2, 3 or 4, got "
                          f"{getattr(self, name)!r}")
@@ -92,6 +95,11 @@ class Settings:
 def _params(num_warps: int, num_stages: int = 2):
   from jax.experimental.pallas import triton as plgpu
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _state_params(warps: int, interpret: bool):
+  """Compiler params of the sequential state kernels (None in interpret mode)."""
+  return None if interpret else _params(warps, SETTINGS.state_stages)
 
 
 def _check_bv(bv, name="block_v") -> int:
@@ -257,7 +265,7 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
       out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
                  jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
       interpret=interpret,
-      compiler_params=None if interpret else _params(SETTINGS.strip_warps, SETTINGS.intra_stages),
+      compiler_params=None if interpret else _params(SETTINGS.strip_warps, SETTINGS.strip_stages),
   )(q, k, gam, k, gam, cnt[..., None], cnt_row)
   if SETTINGS.wy_split:
     w, u, qg, kt, inv = _wy_split(q, k, v, gam, beta, cnt, akk, scale=scale, chunk=chunk, sub=sub,
@@ -435,7 +443,7 @@ def _state_fwd_fused(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, bv, wa
       in_specs=[_seq(t, dk), _seq(t, dk), _seq(t, dk), _seq_v(t, bv), _seq(t, chunk),
                 _decay_spec(n, dk), _state_spec(dk, bv)],
       out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-      compiler_params=None if interpret else _params(warps, SETTINGS.state_stages),
+      compiler_params=_state_params(warps, interpret),
   )(qg, kt, w, u, aqk, d, s0)
 
 
@@ -466,7 +474,7 @@ def _state_fwd_seq(kt, w, u, d, s0, *, chunk, interpret, bv, warps):
       out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
                  jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
                  jax.ShapeDtypeStruct((b, t, h, dv), st)],
-      interpret=interpret, compiler_params=None if interpret else _params(warps, SETTINGS.state_stages),
+      interpret=interpret, compiler_params=_state_params(warps, interpret),
   )(kt, w, u, d, s0)
 
 
@@ -536,7 +544,7 @@ def _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, bv, warps)
       in_specs=[_seq_v(t, bv), _state_spec(dk, bv), _seq(t, dk), _seq(t, dk), _seq(t, dk),
                 _seq(t, chunk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
-      interpret=interpret, compiler_params=None if interpret else _params(warps, SETTINGS.state_stages),
+      interpret=interpret, compiler_params=_state_params(warps, interpret),
   )(do, dsf, qg, kt, w, aqk, d)
 
 
@@ -594,7 +602,7 @@ def _state_bwd_seq(local, do, dsf, qg, kt, w, d, *, chunk, interpret, bv, warps)
       in_specs=[_seq_v(t, bv), second[1], _state_spec(dk, bv), _seq(t, dk), _seq(t, dk),
                 _seq(t, dk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
-      interpret=interpret, compiler_params=None if interpret else _params(warps, SETTINGS.state_stages),
+      interpret=interpret, compiler_params=_state_params(warps, interpret),
   )(local[0], second[0], dsf, qg, kt, w, d)
 
 
@@ -624,8 +632,9 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   (intra_levels.intra_bwd_kernel over grid (B, N, H)), "kblocks" (intra_levels.wy_bwd_kernel per
   chunk, then intra_levels.score_bwd_kernel over grid (B, N·K/bk, H)) or "strips"
   (wy_bwd_kernel, then intra_levels.strip_grads_kernel per 16-row strip and
-  intra_levels.dg_kernel per chunk). dd, d [B,N,H,K,1]: the state decay's cotangent and value. Returns dq, dk [B,T,H,K], dv [B,T,H,V] in q's dtype, dbeta [B,T,H,1]
-  fp32 and dg [B,T,H,K] fp32."""
+  intra_levels.dg_kernel per chunk). dd, d [B,N,H,K,1]: the state decay's cotangent and value.
+  Returns dq, dk [B,T,H,K], dv [B,T,H,V] in q's dtype, dbeta [B,T,H,1] fp32 and dg [B,T,H,K]
+  fp32."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk

@@ -195,6 +195,8 @@ def test_split_forward_by_grid_size():
 @pytest.mark.parametrize("kw, match", [(dict(bv=48), "bv must be a power of two"),
                                        (dict(state_warps=3), "state_warps must be"),
                                        (dict(intra_stages=0), "intra_stages must be"),
+                                       (dict(strip_stages=5), "strip_stages must be"),
+                                       (dict(split_fwd_bv=96), "split_fwd_bv must be"),
                                        (dict(intra_fwd="rows"), "intra_fwd must be one of"),
                                        (dict(wy_dots="fp16"), "wy_dots must be one of"),
                                        (dict(warps=8), "unexpected keyword")])
