@@ -11,8 +11,8 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   columns / levels / strips (the forward intra kernel [intra_fwd]),
   kblocks / bstrips / bchunk (the K-block-, strip- or chunk-parallel intra backward
   [intra_bwd]),
-  cw<N> / sw<N> / ww<N> (num_warps of the columns / strips score / strips WY kernel
-  [columns_warps, strip_warps, wy_warps]), sbk<N> (K-block of the strips score kernel
+  cw<N> / sw<N> / ww<N> / xw<N> (num_warps of the columns / strips score / strips WY / split
+  WY inverse kernel [columns_warps, strip_warps, wy_warps, inverse_warps]), sbk<N> (K-block of the strips score kernel
   [strip_bk]), ibk<N> / iw<N> (K-block and num_warps of the levels, WY and backward kernels
   [intra_bk, intra_warps]), st<N> / stst<N> / sst<N> (num_stages of the intra kernels / of
   the strips score kernel / of the sequential state kernels [intra_stages, strip_stages,
@@ -82,7 +82,7 @@ def _inputs(rng, b, t, h, dtype):
 
 # Variant options joined by "-": <prefix><N> integer settings and named flags (pallas_gpu.Settings).
 _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_warps",
-                "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps",
+                "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps", "xw": "inverse_warps",
                 "sbk": "strip_bk", "st": "intra_stages", "sbv": "split_fwd_bv",
                 "sst": "state_stages", "stst": "strip_stages"}
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),

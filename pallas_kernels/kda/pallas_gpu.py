@@ -65,6 +65,8 @@ class Settings:
   strip_bk: int = 32           # K-columns per block in the "strips" score kernel
   wy_split: bool = True        # "strips" WY step as inverse + per-K-block W + per-V-block U
                                # kernels (fla's layout) instead of one kernel
+  inverse_warps: int = 1       # num_warps of its inverse kernel (session-6 traces, 2×8192×16:
+                               # 0.058 / 0.095 / 0.164 ms at 1 / 2 / 4 warps)
   fuse_wu: bool = True         # wy_split with K = V: W and U in one kernel (wu_kernel)
   cumsum_kernel: bool = True   # in-chunk cumsum of g by `chunk_cumsum` (a Pallas kernel) instead
                                # of XLA's reduce-window (0.16 ms at 2×8192×16, session 6)
@@ -79,7 +81,8 @@ class Settings:
   def __post_init__(self):
     for name in ("bv", "intra_bk", "strip_bk", "split_fwd_bv"):
       _check_bv(getattr(self, name), name)
-    for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps"):
+    for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps",
+                 "inverse_warps"):
       _check_warps(getattr(self, name), name)
     for name in ("intra_stages", "strip_stages", "state_stages"):
       if getattr(self, name) not in (1, 2, 3, 4):
@@ -305,7 +308,7 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret)
                         wy_dots=SETTINGS.wy_dots),
       grid=(b, n, h), in_specs=[tok(1), tok(chunk)], out_specs=tok(chunk),
       out_shape=jax.ShapeDtypeStruct((b, t, h, chunk), st), interpret=interpret,
-      compiler_params=params(SETTINGS.wy_warps),
+      compiler_params=params(SETTINGS.inverse_warps),
   )(beta[..., None], akk)
   nkb, vb = dk // bk, min(bk, dv)
   nvb = dv // vb
