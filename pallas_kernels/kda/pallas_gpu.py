@@ -50,6 +50,9 @@ class Settings:
                                # (`split_forward`: with spare programs the short sequential loop
                                # + chunk-parallel O wins, 1×8192×96; in one wave fused wins)
   split_fwd_bv: int = 64       # V-block of that split forward's sequential kernel
+  wide_bwd: bool | None = None # fused backward state pass at (wide_bwd_bv, wide_bwd_warps); None =
+  wide_bwd_bv: int = 64        # by the same grid rule (`wide_backward`)
+  wide_bwd_warps: int = 8
   bv: int = 32                 # V-columns per sequential state program (power of two >= 16)
   hoist_qdo: bool = True       # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V])
   state_warps: int = 4         # num_warps of the sequential state kernels
@@ -79,10 +82,10 @@ class Settings:
   wy_dots: str = "bf16x3"      # dots of the block-doubling WY inverse: "bf16x3" or "tf32"
 
   def __post_init__(self):
-    for name in ("bv", "intra_bk", "strip_bk", "split_fwd_bv"):
+    for name in ("bv", "intra_bk", "strip_bk", "split_fwd_bv", "wide_bwd_bv"):
       _check_bv(getattr(self, name), name)
     for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps",
-                 "inverse_warps"):
+                 "inverse_warps", "wide_bwd_warps"):
       _check_warps(getattr(self, name), name)
     for name in ("intra_stages", "strip_stages", "state_stages"):
       if getattr(self, name) not in (1, 2, 3, 4):
@@ -154,14 +157,30 @@ def _variant(split, bv, dv, warps):
   return split, block_v(dv, bv), warps
 
 
+def many_programs(b: int, h: int, dv: int, sm_count: int | None) -> bool:
+  """Whether the state passes' B·H·V/bv sequential programs (bv = SETTINGS.bv) outnumber the
+  `sm_count` SMs (False when unknown: interpret mode). Then the split forward and a wider
+  backward win; in one wave the fused forward and narrow blocks do (session-6 H200 traces)."""
+  return sm_count is not None and b * h * (dv // block_v(dv)) > sm_count
+
+
 def split_forward(b: int, h: int, dv: int, sm_count: int | None) -> bool:
-  """Whether the forward state pass runs split (SETTINGS.split or split_fwd; split_fwd None: when
-  the fused kernel's B·H·V/bv sequential programs are more than the `sm_count` SMs, None on CPU).
-  Measured on an H200 (132 SMs, session 6): 2×8192×16 (128 programs) fused 0.345 vs split
-  0.416 ms; 1×8192×96 (384 programs) fused 1.260 vs split 0.806 ms."""
+  """Whether the forward state pass runs split (SETTINGS.split or split_fwd; split_fwd None:
+  `many_programs`). Measured on an H200 (132 SMs, session 6): 2×8192×16 (128 programs) fused
+  0.345 vs split 0.416 ms; 1×8192×96 (384 programs) fused 1.260 vs split 0.806 ms."""
   if SETTINGS.split or SETTINGS.split_fwd is not None:
     return SETTINGS.split or SETTINGS.split_fwd
-  return sm_count is not None and b * h * (dv // block_v(dv)) > sm_count
+  return many_programs(b, h, dv, sm_count)
+
+
+def wide_backward(b: int, h: int, dv: int, sm_count: int | None) -> bool:
+  """Whether the fused backward state pass runs at (wide_bwd_bv, wide_bwd_warps) instead of
+  (bv, state_warps): SETTINGS.wide_bwd, or `many_programs` when None. Measured on an H200
+  (session 6): 1×8192×96 0.991 ms at V-block 64 / 8 warps vs 1.170 at 32 / 4; 2×8192×16
+  0.526 vs 0.345 ms."""
+  if SETTINGS.wide_bwd is not None:
+    return SETTINGS.wide_bwd
+  return many_programs(b, h, dv, sm_count)
 
 
 def _sm_count(interpret: bool) -> int | None:
@@ -502,7 +521,11 @@ def state_bwd(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, split=None, bv=No
   """Reverse state pass. Returns (dS₀ [B,H,K,V] fp32, dS' per chunk [B,N,H,K,V] (storage
   dtype; the grad of the state leaving chunk n), dΔ [B,T,H,V] fp32).
   split/bv/hoist_qdo/state_warps: the variant (None = module defaults)."""
+  b, _, h, _ = qg.shape
   dv = do.shape[-1]
+  if (split is None and bv is None and state_warps is None and not SETTINGS.split
+      and wide_backward(b, h, dv, _sm_count(interpret))):
+    bv, state_warps = SETTINGS.wide_bwd_bv, SETTINGS.wide_bwd_warps
   split, bv, warps = _variant(split, bv, dv, state_warps)
   hoist = SETTINGS.hoist_qdo if hoist_qdo is None else hoist_qdo
   if not split:

@@ -31,8 +31,8 @@ VARIANTS = {
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
     "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16, fuse_wu=False)),
-    "pallas_gpu_wy_split": ("pallas_gpu", dict(wy_split=True, intra_stages=2, split_fwd=True,
-                                               cumsum_kernel=True)),
+    # The forward / backward state-pass choices the grid rule makes on a GPU at many heads.
+    "pallas_gpu_split_fwd_wide_bwd": ("pallas_gpu", dict(split_fwd=True, wide_bwd=True)),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -91,7 +91,7 @@ def packed_results(variant, dtype_name):
 
 @pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist", "pallas_gpu_levels",
                                      "pallas_gpu_columns_chunk", "pallas_gpu_strips",
-                                     "pallas_gpu_wy_split"))
+                                     "pallas_gpu_split_fwd_wide_bwd"))
 def test_packed_fp32_matches_reference(backend):
   o_ref, s_ref, g_ref = packed_results("reference", "float32")
   o, s, grads = packed_results(backend, "float32")
@@ -177,7 +177,7 @@ def test_variant_switch_reaches_the_kernels():
   assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
 
 
-def test_split_forward_by_grid_size():
+def test_state_pass_variants_by_grid_size():
   # Default (split_fwd None): the forward state pass runs split only when the fused kernel's
   # B·H·V/bv programs exceed the SMs (H200: 132; bv 32): 2×16 heads = 128 programs stay fused,
   # 1×96 heads = 384 split; never in interpret mode (no SM count). split_fwd / split override.
@@ -190,6 +190,12 @@ def test_split_forward_by_grid_size():
     assert pallas_gpu.split_forward(2, 16, 128, 132)
   with pallas_gpu.configured(split=True):
     assert pallas_gpu.split_forward(1, 1, 128, None)
+  # The fused backward widens (V-block 64, 8 warps) by the same rule.
+  assert not pallas_gpu.wide_backward(2, 16, 128, 132)
+  assert pallas_gpu.wide_backward(1, 96, 128, 132)
+  assert not pallas_gpu.wide_backward(1, 96, 128, None)
+  with pallas_gpu.configured(wide_bwd=True):
+    assert pallas_gpu.wide_backward(2, 16, 128, None)
 
 
 @pytest.mark.parametrize("kw, match", [(dict(bv=48), "bv must be a power of two"),
