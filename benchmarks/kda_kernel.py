@@ -23,7 +23,8 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   sfwd / nosfwd (forward state pass split / fused whatever the grid [split_fwd]; default: by
   grid size), sbv<N> (V-block of that split forward [split_fwd_bv]),
   cumsum / nocumsum (the in-chunk cumsum of g as a Pallas kernel or XLA's [cumsum_kernel]),
-  nofusewu (split WY step with separate W and U kernels [fuse_wu]),
+  nofusewu (split WY step with separate W and U kernels [fuse_wu]), wubk<N> (their column
+  block [wu_bk]),
   wbwd / nowbwd (backward state pass at wbv<N> / wbw<N> [wide_bwd_bv, wide_bwd_warps] or at
   bv / w whatever the grid [wide_bwd]; default: by grid size).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
@@ -87,7 +88,7 @@ _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_
                 "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps", "xw": "inverse_warps",
                 "sbk": "strip_bk", "st": "intra_stages", "sbv": "split_fwd_bv",
                 "sst": "state_stages", "stst": "strip_stages", "wbv": "wide_bwd_bv",
-                "wbw": "wide_bwd_warps"}
+                "wbw": "wide_bwd_warps", "wubk": "wu_bk"}
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
                  "bchunk": ("intra_bwd", "chunk"), "unroll": ("unroll_bwd", True),

@@ -71,6 +71,8 @@ class Settings:
   inverse_warps: int = 1       # num_warps of its inverse kernel (session-6 traces, 2×8192×16:
                                # 0.058 / 0.095 / 0.164 ms at 1 / 2 / 4 warps)
   fuse_wu: bool = True         # wy_split with K = V: W and U in one kernel (wu_kernel)
+  wu_bk: int | None = None     # K-/V-columns per W/U program (None: intra_bk); wider = fewer
+                               # re-reads of X, bigger accumulators
   cumsum_kernel: bool = True   # in-chunk cumsum of g by `chunk_cumsum` (a Pallas kernel) instead
                                # of XLA's reduce-window (0.16 ms at 2×8192×16, session 6)
   intra_stages: int = 3        # Triton num_stages (software pipelining of the K-block loops' loads)
@@ -84,6 +86,8 @@ class Settings:
   def __post_init__(self):
     for name in ("bv", "intra_bk", "strip_bk", "split_fwd_bv", "wide_bwd_bv"):
       _check_bv(getattr(self, name), name)
+    if self.wu_bk is not None:
+      _check_bv(self.wu_bk, "wu_bk")
     for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps",
                  "inverse_warps", "wide_bwd_warps"):
       _check_warps(getattr(self, name), name)
@@ -291,7 +295,7 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
   )(q, k, gam, k, gam, cnt[..., None], cnt_row)
   if SETTINGS.wy_split:
     w, u, qg, kt, inv = _wy_split(q, k, v, gam, beta, cnt, akk, scale=scale, chunk=chunk, sub=sub,
-                                  bk=bk, interpret=interpret)
+                                  bk=_intra_bk(dk, st, SETTINGS.wu_bk), interpret=interpret)
     return (aqk, w, u, qg, kt) + ((akk, inv) if save else (None, None))
   tok = functools.partial(_tok, chunk)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]

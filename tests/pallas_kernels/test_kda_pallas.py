@@ -32,7 +32,8 @@ VARIANTS = {
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
     "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16, fuse_wu=False)),
     # The forward / backward state-pass choices the grid rule makes on a GPU at many heads.
-    "pallas_gpu_split_fwd_wide_bwd": ("pallas_gpu", dict(split_fwd=True, wide_bwd=True)),
+    "pallas_gpu_split_fwd_wide_bwd": ("pallas_gpu", dict(split_fwd=True, wide_bwd=True,
+                                                         wu_bk=64)),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -203,6 +204,7 @@ def test_state_pass_variants_by_grid_size():
                                        (dict(intra_stages=0), "intra_stages must be"),
                                        (dict(strip_stages=5), "strip_stages must be"),
                                        (dict(split_fwd_bv=96), "split_fwd_bv must be"),
+                                       (dict(wu_bk=48), "wu_bk must be"),
                                        (dict(intra_fwd="rows"), "intra_fwd must be one of"),
                                        (dict(wy_dots="fp16"), "wy_dots must be one of"),
                                        (dict(warps=8), "unexpected keyword")])
