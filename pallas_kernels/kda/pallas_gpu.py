@@ -6,17 +6,19 @@ that it walks chunk by chunk with `pl.ds` (state passes, sequential over chunks,
 batch × head × V-blocks). With interpret=True the same kernels run on CPU (CI).
 
 Two variants of the state passes, same contracts and the same numbers (see kernels.py):
-* fused (split=False, the default, the one measured on the H200): the sequential forward loop
-  computes Δ, O and S' (4 dots per chunk), the reverse loop dΔ = A_qkᵀ dO + Kt dS' and
-  dS = Qgᵀ dO + d⊙dS' − Wᵀ dΔ (4 dots).
+* fused: the sequential forward loop computes Δ, O and S' (4 dots per chunk), the reverse loop
+  dΔ = A_qkᵀ dO + Kt dS' and dS = Qgᵀ dO + d⊙dS' − Wᵀ dΔ (4 dots). The default backward, and
+  the default forward while the B·H·V/32 programs fit the GPU's SMs in one wave.
 * split (split=True): the sequential loops keep only what depends on the carried state. Forward:
   the loop computes Δ and S' (2 dots) and stores every chunk's entering state h [B,N,H,K,V] and Δ;
   a chunk-parallel kernel then computes O = Qg h + A_qk Δ. Backward: a chunk-parallel kernel
   computes dΔ_local = A_qkᵀ dO and (hoist_qdo) dS_local = Qgᵀ dO first, and the loop does
   dΔ = dΔ_local + Kt dS', dS = dS_local + d⊙dS' − Wᵀ dΔ (2 dots; 3 without hoist_qdo, which
-  saves the fp32 [B,N,H,K,V] dS_local buffer).
+  saves the fp32 [B,N,H,K,V] dS_local buffer). The default forward when the programs outnumber
+  the SMs (`split_forward`); then the fused backward runs wider too (`wide_backward`).
 The intra-chunk kernels come in variants too (`intra`, `intra_bwd`); the defaults are the
-"strips" forward (scores per 16-row strip, then the WY inverse per chunk in 16-row blocks) and
+"strips" forward (scores per 16-row strip, then the WY inverse per chunk in 16-row blocks, then
+W and U per chunk and column block) and
 the "kblocks" backward (WY backward per chunk, score gradients per chunk and K-block). All
 choices live in one frozen `Settings` (module default SETTINGS); state launchers also take theirs
 as keywords; `configured` swaps the settings for a block of code (benchmarks, tests).
@@ -44,20 +46,18 @@ SUB = 16             # sub-chunk rows of the "columns" forward kernel
 class Settings:
   """Which kernel variants the launchers use and how they launch them (module default SETTINGS;
   `configured` swaps it for a block of code). Validated on construction."""
-  split: bool = False          # state passes: fused (the measured one) or split
-  split_fwd: bool | None = None  # split forward state pass even when `split` is False; None =
-                               # when the fused forward's B·H·V/bv programs exceed the GPU's SMs
-                               # (`split_forward`: with spare programs the short sequential loop
-                               # + chunk-parallel O wins, 1×8192×96; in one wave fused wins)
+  # Defaults: the fastest measured on an H200 (benchmarks/kda_kernel.md, sessions 5 and 6).
+  split: bool = False          # both state passes split (else: chosen per pass, below)
+  split_fwd: bool | None = None  # forward state pass split (True) or fused (False); None: split
+                               # when B·H·V/bv programs outnumber the SMs (`split_forward`)
   split_fwd_bv: int = 64       # V-block of that split forward's sequential kernel
-  wide_bwd: bool | None = None # fused backward state pass at (wide_bwd_bv, wide_bwd_warps); None =
-  wide_bwd_bv: int = 64        # by the same grid rule (`wide_backward`)
-  wide_bwd_warps: int = 8
+  wide_bwd: bool | None = None   # fused backward state pass at V-block wide_bwd_bv and
+  wide_bwd_bv: int = 64        # wide_bwd_warps warps; None: by the same grid rule
+  wide_bwd_warps: int = 8      # (`wide_backward`)
   bv: int = 32                 # V-columns per sequential state program (power of two >= 16)
   hoist_qdo: bool = True       # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V])
   state_warps: int = 4         # num_warps of the sequential state kernels
   state_stages: int = 2        # their Triton num_stages (prefetch of the next chunk's loads)
-  # Defaults: the fastest measured on an H200 (benchmarks/kda_kernel.md, session 5).
   intra_fwd: str = "strips"    # forward intra kernel: "columns", "levels" or "strips" (see intra)
   intra_bwd: str = "kblocks"   # backward intra kernel: "chunk", "kblocks" or "strips" (intra_bwd)
   intra_bk: int = 32           # K-columns per block in the levels / WY / backward kernels

@@ -2,7 +2,8 @@
 
 Forward:  intra-chunk kernel (A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk, parallel over chunks)
           → state pass, sequential over chunks and parallel over B × H × V-blocks, in one of two
-            variants (pallas_gpu.Settings.split; the TPU launchers have only the fused one):
+            variants (pallas_gpu.Settings.split / split_fwd, by default split when the B·H·V-block
+            programs outnumber the GPU's SMs; the TPU launchers have only the fused one):
             fused: one sequential kernel computes Δ = U − W S, O = Qg S + A_qk Δ and
                    S' = d⊙S + Ktᵀ Δ per chunk;
             split: the sequential kernel computes only Δ and S' and stores every chunk's entering
