@@ -3,8 +3,9 @@
   XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_trace.py [--shapes=2x8192x16]
       [--variants=fused,fused-strips-sw2-bstrips] [--calls=5] [--fla]
 
-For each shape and variant (kda_kernel.py's spelling) jits forward+backward (gradients wrt q, k,
-v, g, beta; bf16, K = V = 128, chunk 64), warms up, records `--calls` calls under
+For each shape and variant (kda_kernel.py's spelling) jits forward+backward (Σo and its
+gradients wrt q, k, v, g, beta; bf16, K = V = 128, chunk 64; all variants of a shape compiled at
+once in `--compile-workers` threads), warms up, records `--calls` calls under
 `jax.profiler.trace(create_perfetto_trace=True)` and sums the device-side duration of every
 kernel by name (XLA fusions and the Pallas kernels alike), per call. Unlike kda_profile.py, which
 times each launcher alone, this sees the op as the training step runs it, glue included. With
@@ -86,6 +87,7 @@ def trace_fla(np_in, calls):
 
 def report(label, totals, calls, lines, top=30):
   rows = sorted(totals.items(), key=lambda kv: -kv[1])
+  first = len(lines)
   per_line = collections.defaultdict(float)
   for name, us in rows:
     per_line[name.split("]")[0] + "]"] += us
@@ -96,7 +98,7 @@ def report(label, totals, calls, lines, top=30):
   if len(rows) > top:
     rest = sum(us for _, us in rows[top:]) / calls / 1e3
     lines.append(f"  {rest:8.3f} ms  ({len(rows) - top} more kernels)")
-  print("\n".join(lines[-min(len(lines), top + 3):]), flush=True)
+  print("\n".join(lines[first:]), flush=True)
 
 
 def main():
