@@ -24,7 +24,7 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   grid size), sbv<N> (V-block of that split forward [split_fwd_bv]),
   cumsum / nocumsum (the in-chunk cumsum of g as a Pallas kernel or XLA's [cumsum_kernel]),
   nofusewu (split WY step with separate W and U kernels [fuse_wu]), wubk<N> (their column
-  block [wu_bk]),
+  block [wu_bk]), sblocks (strip score kernel's earlier pairs block by block [strip_earlier]),
   wbwd / nowbwd (backward state pass at wbv<N> / wbw<N> [wide_bwd_bv, wide_bwd_warps] or at
   bv / w whatever the grid [wide_bwd]; default: by grid size).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
@@ -96,7 +96,7 @@ _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "sfwd": ("split_fwd", True), "nosfwd": ("split_fwd", False),
                  "cumsum": ("cumsum_kernel", True), "nocumsum": ("cumsum_kernel", False),
                  "nofusewu": ("fuse_wu", False), "wbwd": ("wide_bwd", True),
-                 "nowbwd": ("wide_bwd", False),
+                 "nowbwd": ("wide_bwd", False), "sblocks": ("strip_earlier", "blocks"),
                  **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
 
 

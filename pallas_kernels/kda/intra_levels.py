@@ -263,6 +263,59 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   akk_ref[...] = jnp.where(same & (col < row), a_kk, 0.0)
 
 
+def strip_blocks_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_ref,
+                        aqk_ref, akk_ref, *, strips, scale, bk, mm_dtype):
+  """`strip_scores_kernel` with the earlier pairs block by block (Settings.strip_earlier =
+  "blocks"): strip r's program computes only the [sub, sub] column blocks j < r it needs, in a
+  loop of r steps (one [sub, K] load of K and Γ and one dot over all of K each), and stores every
+  block at its columns directly — no [C, K] operand masked to the rows before the strip, no
+  one-hot placement of the diagonal block. Same refs, maths (pairs across blocks factor through
+  the strip's first row) and outputs."""
+  sub, dk = q_ref.shape
+  r = lax.rem(pl.program_id(1), strips)                 # the strip's block index in its chunk
+  base = r * sub
+  row, col = _iota((sub, sub), 0), _iota((sub, sub), 1)
+  cnt = cnt_ref[...]
+
+  def diag_block(kb, carry):
+    cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
+    d_qk, d_kk, diag = carry
+    for half in levels(sub):
+      d_qk, d_kk = _level_scores((d_qk, d_kk), q, k, gam, gamc_ref, cols, half, mm_dtype, base)
+    return d_qk, d_kk, diag + jnp.sum(q * k, axis=1, keepdims=True)
+
+  zeros = jnp.zeros((sub, sub), F32)
+  d_qk, d_kk, diag = lax.fori_loop(0, dk // bk, diag_block,
+                                   (zeros, zeros, jnp.zeros((sub, 1), F32)))
+  own = pl.ds(base, sub)
+  same = cnt == cntr_ref[:, own]
+  aqk_ref[:, own] = jnp.where(same & (col <= row), jnp.where(row == col, diag, d_qk),
+                              0.0).astype(aqk_ref.dtype)
+  akk_ref[:, own] = jnp.where(same & (col < row), d_kk, 0.0)
+
+  ref = gamc_ref[pl.ds(base, 1), :]                     # Γ of the strip's first row, [1, K]
+  e_row = jnp.exp(gam_ref[...] - ref)                   # ≤ 1: rows at or after the reference
+  qe = (q_ref[...].astype(F32) * scale * e_row).astype(mm_dtype)
+  ke = (k_ref[...].astype(F32) * e_row).astype(mm_dtype)
+
+  def earlier(j, _):                                    # block j < r: every factor ≤ 1
+    blk = pl.ds(j * sub, sub)
+    k_back = kc_ref[blk, :].astype(F32) * jnp.exp(ref - gamc_ref[blk, :])
+    same_j = cnt == cntr_ref[:, blk]
+    aqk_ref[:, blk] = jnp.where(same_j, mm_nt(qe, k_back, mm_dtype), 0.0).astype(aqk_ref.dtype)
+    akk_ref[:, blk] = jnp.where(same_j, mm_nt(ke, k_back, mm_dtype), 0.0)
+    return _
+
+  def later(j, _):
+    blk = pl.ds(j * sub, sub)
+    aqk_ref[:, blk] = jnp.zeros((sub, sub), aqk_ref.dtype)
+    akk_ref[:, blk] = jnp.zeros((sub, sub), akk_ref.dtype)
+    return _
+
+  lax.fori_loop(0, r, earlier, 0)
+  lax.fori_loop(r + 1, strips, later, 0)
+
+
 def wy_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, akk_ref,
               w_ref, u_ref, qg_ref, kt_ref, *inv_ref, scale, bk, mm_dtype, wy_dots="bf16x3",
               sub=16):

@@ -66,6 +66,9 @@ class Settings:
   strip_warps: int = 1         # num_warps of the "strips" score kernel (one 16-row strip each)
   wy_warps: int = 2            # num_warps of the "strips" WY kernel (one chunk in 16-row blocks)
   strip_bk: int = 32           # K-columns per block in the "strips" score kernel
+  strip_earlier: str = "chunk" # its pairs with earlier strips: "chunk" (one masked [C, K]
+                               # operand) or "blocks" (a loop over the earlier 16-row blocks:
+                               # 2.5× fewer loads and exps on average; not yet on a GPU)
   wy_split: bool = True        # "strips" WY step as inverse + per-K-block W + per-V-block U
                                # kernels (fla's layout) instead of one kernel
   inverse_warps: int = 1       # num_warps of its inverse kernel (session-6 traces, 2×8192×16:
@@ -96,7 +99,7 @@ class Settings:
         raise ValueError(f"kda pallas_gpu: {name} must be 1, 2, 3 or 4, got "
                          f"{getattr(self, name)!r}")
     for name, allowed in (("intra_fwd", INTRA_FWDS), ("intra_bwd", INTRA_BWDS),
-                          ("wy_dots", ("bf16x3", "tf32"))):
+                          ("wy_dots", ("bf16x3", "tf32")), ("strip_earlier", ("chunk", "blocks"))):
       if getattr(self, name) not in allowed:
         raise ValueError(f"kda pallas_gpu: {name} must be one of {allowed}, "
                          f"got {getattr(self, name)!r}")
@@ -281,8 +284,10 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
   strip = functools.partial(_tok, sub)
   whole = lambda d: _tok(chunk, d, strips)
   cnt_row = cnt.reshape(b, n, 1, chunk)
+  scores_kernel = {"chunk": intra_levels.strip_scores_kernel,
+                   "blocks": intra_levels.strip_blocks_kernel}[SETTINGS.strip_earlier]
   aqk, akk = pl.pallas_call(
-      functools.partial(intra_levels.strip_scores_kernel, strips=strips, scale=scale,
+      functools.partial(scores_kernel, strips=strips, scale=scale,
                         bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st),
       grid=(b, n * strips, h),
       in_specs=[strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), _cnt_col(sub),

@@ -30,7 +30,8 @@ VARIANTS = {
     "pallas_gpu_split_bv64_nohoist": ("pallas_gpu", dict(split=True, bv=64, hoist_qdo=False)),
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
-    "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16, fuse_wu=False)),
+    "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16, fuse_wu=False,
+                                             strip_earlier="blocks")),
     # The forward / backward state-pass choices the grid rule makes on a GPU at many heads.
     "pallas_gpu_split_fwd_wide_bwd": ("pallas_gpu", dict(split_fwd=True, wide_bwd=True,
                                                          wu_bk=64)),
@@ -215,17 +216,20 @@ def test_variant_bad_settings_raise(kw, match):
   assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
 
 
-@pytest.mark.parametrize("intra_fwd", pallas_gpu.INTRA_FWDS)
-def test_intra_kernel_matches_jnp_definition(intra_fwd):
+@pytest.mark.parametrize("intra_fwd, chunk, extra", [
+    *[(name, 32, {}) for name in pallas_gpu.INTRA_FWDS],
+    ("strips", 64, dict(strip_earlier="blocks")), ("strips", 64, {})])
+def test_intra_kernel_matches_jnp_definition(intra_fwd, chunk, extra):
   # Kernel-level: each forward intra-chunk kernel's tensors equal intra.intra_all (same masks and
-  # maths), here with a reset inside the second 16-row strip of a 32-token chunk.
-  q, k, v, g, beta, _ = make_inputs(22, b=1, t=64, h=1, dk=16, dv=16, dtype=jnp.float32)
-  reset = jnp.zeros((1, 64), bool).at[0, 23].set(True)
-  cnt = intra_lib.reset_counts(reset, 32)
-  want = intra_lib.intra_all(q, k, v, g, beta, cnt, scale=0.25, chunk=32)
-  with pallas_gpu.configured(intra_fwd=intra_fwd):
-    got = pallas_gpu.intra(q, k, v, intra_lib.chunk_cumsum(g, 32), beta, cnt, scale=0.25,
-                           chunk=32, interpret=True)
+  # maths), here with a reset inside the second 16-row strip of a chunk (and chunk 64: four
+  # strips, so strip 3 pairs with three earlier blocks).
+  q, k, v, g, beta, _ = make_inputs(22, b=1, t=128, h=1, dk=16, dv=16, dtype=jnp.float32)
+  reset = jnp.zeros((1, 128), bool).at[0, 23].set(True).at[0, 100].set(True)
+  cnt = intra_lib.reset_counts(reset, chunk)
+  want = intra_lib.intra_all(q, k, v, g, beta, cnt, scale=0.25, chunk=chunk)
+  with pallas_gpu.configured(intra_fwd=intra_fwd, **extra):
+    got = pallas_gpu.intra(q, k, v, intra_lib.chunk_cumsum(g, chunk), beta, cnt, scale=0.25,
+                           chunk=chunk, interpret=True)
   for name, x, y in zip(("aqk", "w", "u", "qg", "kt"), got, want):
     assert max_err(x, y) <= 1e-5, name
 
