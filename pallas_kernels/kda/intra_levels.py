@@ -25,8 +25,10 @@ K is walked in column blocks of `bk` (scores and per-column gradients are separa
 the live register tiles are [C, bk]; Γ_{m(x)} is a gathered row load per level.
 
 Kernels (pallas_gpu.Settings picks them): `intra_fwd_kernel` (one chunk per program, levels);
-`strip_scores_kernel` + `wy_kernel` (the "strips" forward: scores per 16-row strip, then the
-inverse and W, U per chunk); `intra_bwd_kernel` (one chunk per program) or `wy_bwd_kernel` +
+the "strips" forward: scores per 16-row strip (`strip_scores_kernel`, or `strip_blocks_kernel`
+walking the earlier 16-row blocks), then either `wy_kernel` (inverse, W and U per chunk) or the
+split WY step (`inverse_kernel` per chunk, then `wu_kernel` — or `w_kernel` and `u_kernel` — per
+chunk and column block); `intra_bwd_kernel` (one chunk per program) or `wy_bwd_kernel` +
 `score_bwd_kernel` (the "kblocks" backward: per chunk, then per chunk and K-block).
 """
 
