@@ -6,8 +6,8 @@
 
 Lowers the KDA forward + backward (B1 T256 H2, K = V = 128, chunk 64) for CUDA on the CPU, keeps
 the Triton IR of every pallas_call, compiles each with the `triton` package for sm_90 at the
-kernel's num_warps and num_stages (as its launcher set them), and prints per kernel: registers, spill bytes (ptxas -v), shared memory, and
-SASS counts (all instructions, tensor-core MMAs, barriers, shared loads/stores, MUFU (exp), local
+kernel's num_warps and num_stages (as its launcher set them), and prints per kernel: registers,
+spill bytes (ptxas -v), shared memory, and SASS counts (all instructions, tensor-core MMAs, barriers, shared loads/stores, MUFU (exp), local
 loads/stores = spills, global loads/stores). Static counts, not timings: they show spills and
 layout round-trips through shared memory before a GPU run decides (benchmarks/kda_profile.py).
 `--set` takes pallas_gpu.configured keywords (ints and bools parsed).
@@ -96,8 +96,9 @@ def compile_stats(path: str, warps: int, stages: int, bin_dir: str) -> str:
   regs = re.search(r"Used (\d+) registers", ptxas)
   spill = re.search(r"(\d+) bytes spill stores", ptxas)
   counts = " ".join(f"{k} {len(re.findall(p, sass))}" for k, p in SASS_COUNTS.items())
-  return (f"{os.path.basename(path):28s} warps {warps} stages {stages} regs {regs and regs.group(1)} "
-          f"spill {spill and spill.group(1)} B smem {kernel.metadata.shared} B  {counts}"
+  return (f"{os.path.basename(path):28s} warps {warps} stages {stages} "
+          f"regs {regs and regs.group(1)} spill {spill and spill.group(1)} B "
+          f"smem {kernel.metadata.shared} B  {counts}"
           + "".join(f"\n    loop @{start:#x}: {body}" for start, body in loops(sass)))
 
 
