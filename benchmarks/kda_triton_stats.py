@@ -8,8 +8,9 @@ Lowers the KDA forward + backward (B1 T256 H2, K = V = 128, chunk 64) for CUDA o
 the Triton IR of every pallas_call, compiles each with the `triton` package for sm_90 at the
 kernel's num_warps and num_stages (as its launcher set them), and prints per kernel: registers,
 spill bytes (ptxas -v), shared memory, and SASS counts (all instructions, tensor-core MMAs, barriers, shared loads/stores, MUFU (exp), local
-loads/stores = spills, global loads/stores). Static counts, not timings: they show spills and
-layout round-trips through shared memory before a GPU run decides (benchmarks/kda_profile.py).
+loads/stores = spills, global loads/stores), and how many of its programs one SM holds at once.
+Static counts, not timings: they show spills, occupancy and layout round-trips through shared
+memory before a GPU run decides (benchmarks/kda_profile.py).
 `--set` takes pallas_gpu.configured keywords (ints and bools parsed).
 """
 
@@ -96,10 +97,21 @@ def compile_stats(path: str, warps: int, stages: int, bin_dir: str) -> str:
   regs = re.search(r"Used (\d+) registers", ptxas)
   spill = re.search(r"(\d+) bytes spill stores", ptxas)
   counts = " ".join(f"{k} {len(re.findall(p, sass))}" for k, p in SASS_COUNTS.items())
+  resident = (programs_per_sm(int(regs.group(1)), kernel.metadata.shared, warps) if regs
+              else None)
   return (f"{os.path.basename(path):28s} warps {warps} stages {stages} "
           f"regs {regs and regs.group(1)} spill {spill and spill.group(1)} B "
-          f"smem {kernel.metadata.shared} B  {counts}"
+          f"smem {kernel.metadata.shared} B  per SM {resident}  {counts}"
           + "".join(f"\n    loop @{start:#x}: {body}" for start, body in loops(sass)))
+
+
+def programs_per_sm(regs: int, smem: int, warps: int) -> int:
+  """Programs (CTAs) one sm_90 SM holds at once: the least of 32 CTAs, 64 warps, 64 K registers
+  (allocated per warp in units of 256) and 228 KB of shared memory (1 KB reserved per CTA).
+  For these latency-bound kernels the resident warps are what hides each load's round trip."""
+  regs_per_warp = -(-regs * 32 // 256) * 256
+  by_smem = 233472 // (smem + 1024)
+  return min(32, 64 // warps, 65536 // (regs_per_warp * warps), by_smem)
 
 
 def loops(sass: str) -> list[tuple[int, str]]:
