@@ -7,8 +7,9 @@
 Lowers the KDA forward + backward (B1 T256 H2, K = V = 128, chunk 64) for CUDA on the CPU, keeps
 the Triton IR of every pallas_call, compiles each with the `triton` package for sm_90 at the
 kernel's num_warps and num_stages (as its launcher set them), and prints per kernel: registers,
-spill bytes (ptxas -v), shared memory, and SASS counts (all instructions, tensor-core MMAs, barriers, shared loads/stores, MUFU (exp), local
-loads/stores = spills, global loads/stores), and how many of its programs one SM holds at once.
+spill bytes (ptxas -v), shared memory, how many of its programs one SM holds at once, and SASS
+counts (all instructions, tensor-core MMAs, barriers, shared loads/stores, MUFU (exp), local
+loads/stores = spills, global loads/stores).
 Static counts, not timings: they show spills, occupancy and layout round-trips through shared
 memory before a GPU run decides (benchmarks/kda_profile.py).
 `--set` takes pallas_gpu.configured keywords (ints and bools parsed).
