@@ -204,10 +204,8 @@ def _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, q
 
   def out_block(kb, _):
     cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
-    qg, kg, kt = gated(q, k, gam, sees, in_last, gam_ref[pl.ds(c - 1, 1), cols])
-    w_ref[:, cols] = mm(inv_mm, beta * kg, mm_dtype).astype(w_ref.dtype)
-    qg_ref[:, cols] = qg.astype(qg_ref.dtype)
-    kt_ref[:, cols] = kt.astype(kt_ref.dtype)
+    _store_w_qg_kt(inv_mm, beta, q, k, gam, sees, in_last, gam_ref[pl.ds(c - 1, 1), cols],
+                   w_ref, qg_ref, kt_ref, cols, mm_dtype)
     return _
 
   lax.fori_loop(0, dk // bk, out_block, 0)
@@ -215,6 +213,15 @@ def _write_wy(q_ref, k_ref, v_ref, gam_ref, cnt_ref, beta, a_kk, w_ref, u_ref, q
     cols = pl.ds(vb * bk, min(bk, dv))
     u_ref[:, cols] = mm(inv_mm, beta * v_ref[:, cols].astype(F32), mm_dtype).astype(u_ref.dtype)
   return inv
+
+
+def _strip_diag_step(carry, q, k, gam, gamc_ref, cols, base, mm_dtype):
+  """One K-block of a strip's own [sub, sub] block: (d_qk, d_kk, diag) gain its pairs by levels
+  (static L: the index maths becomes shifts) and the row dots q_r · k_r."""
+  d_qk, d_kk, diag = carry
+  for half in levels(q.shape[0]):
+    d_qk, d_kk = _level_scores((d_qk, d_kk), q, k, gam, gamc_ref, cols, half, mm_dtype, base)
+  return d_qk, d_kk, diag + jnp.sum(q * k, axis=1, keepdims=True)
 
 
 def _earlier_rows(kc, gamc, ref, before):
@@ -246,13 +253,10 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
     ref = gamc_ref[pl.ds(base, 1), cols]                   # Γ of the strip's first row
     e_row = jnp.exp(gam - ref)
     k_back = _earlier_rows(kc_ref[:, cols].astype(F32), gamc_ref[:, cols], ref, before)
-    a_qk, a_kk, d_qk, d_kk, diag = carry
+    a_qk, a_kk, *own = carry
     a_qk = a_qk + mm_nt(q * e_row, k_back, mm_dtype)
     a_kk = a_kk + mm_nt(k * e_row, k_back, mm_dtype)
-
-    for half in levels(sub):       # unrolled: static L turns the index maths into shifts
-      d_qk, d_kk = _level_scores((d_qk, d_kk), q, k, gam, gamc_ref, cols, half, mm_dtype, base)
-    return a_qk, a_kk, d_qk, d_kk, diag + jnp.sum(q * k, axis=1, keepdims=True)
+    return (a_qk, a_kk, *_strip_diag_step(own, q, k, gam, gamc_ref, cols, base, mm_dtype))
 
   zeros, zeros_d = jnp.zeros((sub, c), F32), jnp.zeros((sub, sub), F32)
   a_qk, a_kk, d_qk, d_kk, diag = lax.fori_loop(
@@ -281,10 +285,7 @@ def strip_blocks_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
 
   def diag_block(kb, carry):
     cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
-    d_qk, d_kk, diag = carry
-    for half in levels(sub):
-      d_qk, d_kk = _level_scores((d_qk, d_kk), q, k, gam, gamc_ref, cols, half, mm_dtype, base)
-    return d_qk, d_kk, diag + jnp.sum(q * k, axis=1, keepdims=True)
+    return _strip_diag_step(carry, q, k, gam, gamc_ref, cols, base, mm_dtype)
 
   zeros = jnp.zeros((sub, sub), F32)
   d_qk, d_kk, diag = lax.fori_loop(0, dk // bk, diag_block,
@@ -436,11 +437,19 @@ def _write_w(q_ref, k_ref, gam_ref, beta, cnt_ref, x, w_ref, qg_ref, kt_ref, *, 
   """W = X Diag(β) e^Γ⊙K, e^Γ⊙Q, e^{Γ_C−Γ}⊙K for one block of columns (x: X in mm_dtype)."""
   c = q_ref.shape[0]
   cnt = cnt_ref[...]
-  qg, kg, kt = gated(q_ref[...].astype(F32) * scale, k_ref[...].astype(F32), gam_ref[...],
-                     cnt == 0.0, cnt == cnt_ref[pl.ds(c - 1, 1), :], gam_ref[pl.ds(c - 1, 1), :])
-  w_ref[...] = mm(x, beta * kg, mm_dtype).astype(w_ref.dtype)
-  qg_ref[...] = qg.astype(qg_ref.dtype)
-  kt_ref[...] = kt.astype(kt_ref.dtype)
+  _store_w_qg_kt(x, beta, q_ref[...].astype(F32) * scale, k_ref[...].astype(F32), gam_ref[...],
+                 cnt == 0.0, cnt == cnt_ref[pl.ds(c - 1, 1), :], gam_ref[pl.ds(c - 1, 1), :],
+                 w_ref, qg_ref, kt_ref, slice(None), mm_dtype)
+
+
+def _store_w_qg_kt(x, beta, q, k, gam, sees, in_last, gam_last, w_ref, qg_ref, kt_ref, cols,
+                   mm_dtype):
+  """Columns `cols` of W = X Diag(β) e^Γ⊙K, e^Γ⊙Q and e^{Γ_C−Γ}⊙K (see kernels.gated) from one
+  chunk's [C, ·] tiles of scaled q, k and Γ (x: X in mm_dtype)."""
+  qg, kg, kt = gated(q, k, gam, sees, in_last, gam_last)
+  w_ref[:, cols] = mm(x, beta * kg, mm_dtype).astype(w_ref.dtype)
+  qg_ref[:, cols] = qg.astype(qg_ref.dtype)
+  kt_ref[:, cols] = kt.astype(kt_ref.dtype)
 
 
 def _write_u(v_ref, beta, x, u_ref, *, mm_dtype):

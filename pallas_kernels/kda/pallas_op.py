@@ -58,8 +58,8 @@ def _forward(q, k, v, g, beta, s0, cnt, *, scale, chunk, platform, interpret, sa
 def kda_pallas(q, k, v, g, beta, s0, cnt, scale, chunk, platform, interpret):
   """q, k [B,T,H,K] (q unscaled), v [B,T,H,V] in one float dtype (bf16 or fp32: also the dots'
   operand dtype); g [B,T,H,K], beta [B,T,H], s0 [B,H,K,V] fp32; cnt = intra.reset_counts(...).
-  T must be a multiple of chunk. Returns (o [B,T,H,V] (GPU: q's dtype; TPU: fp32), S_final
-  [B,H,K,V] fp32)."""
+  T must be a multiple of chunk. Returns (o [B,T,H,V] in q's dtype (fp32 sums rounded once in
+  the state kernel), S_final [B,H,K,V] fp32)."""
   (o, sf), _ = _forward(q, k, v, g, beta, s0, cnt, scale=scale, chunk=chunk, platform=platform,
                         interpret=interpret, save=False)
   return o, sf

@@ -89,7 +89,7 @@ def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret):
     s, o, delta = kernels.fwd_step(s, qg_ref[...], kt_ref[...], w_ref[...], u_ref[...],
                                    aqk_ref[...], d_ref[...], st)
     s_scr[...] = s
-    o_ref[...] = o
+    o_ref[...] = o.astype(o_ref.dtype)
     if save:
       saved[1][...] = delta.astype(saved[1].dtype)
 
@@ -102,7 +102,7 @@ def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret):
   state = pl.BlockSpec((None, None, dk, bv), lambda ib, ih, iv, ic: (ib, ih, 0, iv))
   per_chunk = pl.BlockSpec((None, None, None, dk, bv), lambda ib, ih, iv, ic: (ib, ih, ic, 0, iv))
   out_specs = [tok_v, state]
-  out_shape = [jax.ShapeDtypeStruct((b, h, t, dv), F32), jax.ShapeDtypeStruct((b, h, dk, dv), F32)]
+  out_shape = [jax.ShapeDtypeStruct((b, h, t, dv), st), jax.ShapeDtypeStruct((b, h, dk, dv), F32)]
   if save:
     out_specs += [per_chunk, tok_v]
     out_shape += [jax.ShapeDtypeStruct((b, h, n, dk, dv), st),
