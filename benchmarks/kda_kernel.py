@@ -14,9 +14,9 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   cw<N> / sw<N> / ww<N> / xw<N> (num_warps of the columns / strips score / strips WY / split
   WY inverse kernel [columns_warps, strip_warps, wy_warps, inverse_warps]), sbk<N> (K-block of
   the strips score kernel [strip_bk]), ibk<N> / iw<N> (K-block and num_warps of the levels,
-  WY and backward kernels [intra_bk, intra_warps]), st<N> / stst<N> / sst<N> (num_stages of the intra kernels / of
-  the strips score kernel / of the sequential state kernels [intra_stages, strip_stages,
-  state_stages]),
+  WY and backward kernels [intra_bk, intra_warps]), st<N> / stst<N> / sst<N> (num_stages of
+  the intra kernels / of the strips score kernel / of the sequential state kernels
+  [intra_stages, strip_stages, state_stages]),
   unroll (kblocks backward with the levels written out [unroll_bwd]),
   tf32 (TF32 dots in the block-doubling WY inverse instead of bf16×3 [wy_dots]),
   wysplit / nowysplit (the WY step as inverse, W and U kernels, or one kernel [wy_split]),
