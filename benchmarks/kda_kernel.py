@@ -23,8 +23,10 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   sfwd / nosfwd (forward state pass split / fused whatever the grid [split_fwd]; default: by
   grid size), sbv<N> (V-block of that split forward [split_fwd_bv]),
   cumsum / nocumsum (the in-chunk cumsum of g as a Pallas kernel or XLA's [cumsum_kernel]),
-  nofusewu (split WY step with separate W and U kernels [fuse_wu]), wubk<N> (their column
-  block [wu_bk]), sblocks (strip score kernel's earlier pairs block by block [strip_earlier]),
+  nofusewu (split WY step with separate W and U kernels [fuse_wu]), wubk<N> / wuw<N> (their
+  column block and num_warps [wu_bk, wu_warps]), sblocks / schunk (strip score kernel's earlier
+  pairs block by block or as one masked chunk [strip_earlier]), wst<N> (num_stages of the state
+  kernels at V-blocks > 32 [wide_stages]),
   wbwd / nowbwd (backward state pass at wbv<N> / wbw<N> [wide_bwd_bv, wide_bwd_warps] or at
   bv / w whatever the grid [wide_bwd]; default: by grid size).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
@@ -88,7 +90,8 @@ _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_
                 "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps", "xw": "inverse_warps",
                 "sbk": "strip_bk", "st": "intra_stages", "sbv": "split_fwd_bv",
                 "sst": "state_stages", "stst": "strip_stages", "wbv": "wide_bwd_bv",
-                "wbw": "wide_bwd_warps", "wubk": "wu_bk"}
+                "wbw": "wide_bwd_warps", "wubk": "wu_bk", "wuw": "wu_warps",
+                "wst": "wide_stages"}
 _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
                  "bchunk": ("intra_bwd", "chunk"), "unroll": ("unroll_bwd", True),
@@ -97,6 +100,7 @@ _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "cumsum": ("cumsum_kernel", True), "nocumsum": ("cumsum_kernel", False),
                  "nofusewu": ("fuse_wu", False), "wbwd": ("wide_bwd", True),
                  "nowbwd": ("wide_bwd", False), "sblocks": ("strip_earlier", "blocks"),
+                 "schunk": ("strip_earlier", "chunk"),
                  **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
 
 

@@ -57,25 +57,33 @@ class Settings:
   bv: int = 32                 # V-columns per sequential state program (power of two >= 16)
   hoist_qdo: bool = True       # split backward: precompute Qgᵀ dO per chunk (fp32 [B,N,H,K,V])
   state_warps: int = 4         # num_warps of the sequential state kernels
-  state_stages: int = 2        # their Triton num_stages (prefetch of the next chunk's loads)
+  state_stages: int = 3        # their Triton num_stages (prefetch of the next chunk's loads)
+                               # at V-blocks <= 32 (session-7 traces, 2×8192×16: fused forward
+                               # 0.281 / 0.317 ms, backward 0.312 / 0.342 at 3 / 2 stages)
+  wide_stages: int = 2         # ... at V-blocks > 32 (split forward, wide backward): 3 stages
+                               # there ask for 237 KB of shared memory (the H200 has 227 KB)
   intra_fwd: str = "strips"    # forward intra kernel: "columns", "levels" or "strips" (see intra)
   intra_bwd: str = "kblocks"   # backward intra kernel: "chunk", "kblocks" or "strips" (intra_bwd)
   intra_bk: int = 32           # K-columns per block in the levels / WY / backward kernels
   intra_warps: int = 4         # num_warps of the levels and backward kernels
   columns_warps: int = 8       # num_warps of the "columns" forward kernel
-  strip_warps: int = 1         # num_warps of the "strips" score kernel (one 16-row strip each)
+  strip_warps: int = 2         # num_warps of the "strips" score kernel (one 16-row strip each)
   wy_warps: int = 2            # num_warps of the "strips" WY kernel (one chunk in 16-row blocks)
   strip_bk: int = 32           # K-columns per block in the "strips" score kernel
-  strip_earlier: str = "chunk" # its pairs with earlier strips: "chunk" (one masked [C, K]
+  strip_earlier: str = "blocks"  # its pairs with earlier strips: "chunk" (one masked [C, K]
                                # operand) or "blocks" (a loop over the earlier 16-row blocks:
-                               # 2.5× fewer loads and exps on average; not yet on a GPU)
+                               # 2.5× fewer loads and exps on average). Session-7 traces,
+                               # 2×8192×16: blocks at 2 warps 0.319 ms, chunk at 1 warp 0.377;
+                               # 1×8192×96: 1.056 / 1.043
   wy_split: bool = True        # "strips" WY step as inverse + per-K-block W + per-V-block U
                                # kernels (fla's layout) instead of one kernel
   inverse_warps: int = 1       # num_warps of its inverse kernel (session-6 traces, 2×8192×16:
                                # 0.058 / 0.095 / 0.164 ms at 1 / 2 / 4 warps)
   fuse_wu: bool = True         # wy_split with K = V: W and U in one kernel (wu_kernel)
-  wu_bk: int | None = None     # K-/V-columns per W/U program (None: intra_bk); wider = fewer
-                               # re-reads of X, bigger accumulators
+  wu_bk: int | None = 64       # K-/V-columns per W/U program (None: intra_bk); wider = fewer
+                               # re-reads of X, bigger accumulators (session-7 traces: 64 vs 32
+                               # 0.210 / 0.249 ms at 2×8192×16, 0.648 / 0.833 at 1×8192×96)
+  wu_warps: int | None = None  # num_warps of the W/U kernel(s) (None: intra_warps)
   cumsum_kernel: bool = True   # in-chunk cumsum of g by `chunk_cumsum` (a Pallas kernel) instead
                                # of XLA's reduce-window (0.16 ms at 2×8192×16, session 6)
   intra_stages: int = 3        # Triton num_stages (software pipelining of the K-block loops' loads)
@@ -94,7 +102,9 @@ class Settings:
     for name in ("state_warps", "intra_warps", "columns_warps", "strip_warps", "wy_warps",
                  "inverse_warps", "wide_bwd_warps"):
       _check_warps(getattr(self, name), name)
-    for name in ("intra_stages", "strip_stages", "state_stages"):
+    if self.wu_warps is not None:
+      _check_warps(self.wu_warps, "wu_warps")
+    for name in ("intra_stages", "strip_stages", "state_stages", "wide_stages"):
       if getattr(self, name) not in (1, 2, 3, 4):
         raise ValueError(f"kda pallas_gpu: {name} must be 1, 2, 3 or 4, got "
                          f"{getattr(self, name)!r}")
@@ -110,9 +120,11 @@ def _params(num_warps: int, num_stages: int = 2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _state_params(warps: int, interpret: bool):
-  """Compiler params of the sequential state kernels (None in interpret mode)."""
-  return None if interpret else _params(warps, SETTINGS.state_stages)
+def _state_params(warps: int, bv: int, interpret: bool):
+  """Compiler params of the sequential state kernels at V-block `bv` (None in interpret mode)."""
+  if interpret:
+    return None
+  return _params(warps, SETTINGS.state_stages if bv <= 32 else SETTINGS.wide_stages)
 
 
 def _check_bv(bv, name="block_v") -> int:
@@ -339,6 +351,7 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret)
       compiler_params=params(SETTINGS.inverse_warps),
   )(beta[..., None], akk)
   nkb, vb = dk // bk, min(bk, dv)
+  wu_warps = SETTINGS.intra_warps if SETTINGS.wu_warps is None else SETTINGS.wu_warps
   nvb = dv // vb
   kblk = _col_block(chunk, bk, nkb)
   if SETTINGS.fuse_wu and dv == dk:
@@ -349,7 +362,7 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret)
                   _tok(chunk, chunk, nkb)],
         out_specs=[kblk] * 4,
         out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), st)] * 4, interpret=interpret,
-        compiler_params=params(SETTINGS.intra_warps),
+        compiler_params=params(wu_warps),
     )(q, k, v, gam, beta[..., None], cnt[..., None], inv)
     return w, u, qg, kt, inv
   w, qg, kt = pl.pallas_call(
@@ -359,7 +372,7 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret)
                 _tok(chunk, chunk, nkb)],
       out_specs=[kblk, kblk, kblk],
       out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), st)] * 3, interpret=interpret,
-      compiler_params=params(SETTINGS.intra_warps),
+      compiler_params=params(wu_warps),
   )(q, k, gam, beta[..., None], cnt[..., None], inv)
   vblk = _col_block(chunk, vb, nvb)
   u = pl.pallas_call(
@@ -367,7 +380,7 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret)
       grid=(b, n * nvb, h),
       in_specs=[vblk, _tok(chunk, 1, nvb), _tok(chunk, chunk, nvb)],
       out_specs=vblk, out_shape=jax.ShapeDtypeStruct((b, t, h, dv), st), interpret=interpret,
-      compiler_params=params(SETTINGS.intra_warps),
+      compiler_params=params(wu_warps),
   )(v, beta[..., None], inv)
   return w, u, qg, kt, inv
 
@@ -474,7 +487,7 @@ def _state_fwd_fused(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, bv, wa
       in_specs=[_seq(t, dk), _seq(t, dk), _seq(t, dk), _seq_v(t, bv), _seq(t, chunk),
                 _decay_spec(n, dk), _state_spec(dk, bv)],
       out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-      compiler_params=_state_params(warps, interpret),
+      compiler_params=_state_params(warps, bv, interpret),
   )(qg, kt, w, u, aqk, d, s0)
 
 
@@ -505,7 +518,7 @@ def _state_fwd_seq(kt, w, u, d, s0, *, chunk, interpret, bv, warps):
       out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
                  jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
                  jax.ShapeDtypeStruct((b, t, h, dv), st)],
-      interpret=interpret, compiler_params=_state_params(warps, interpret),
+      interpret=interpret, compiler_params=_state_params(warps, bv, interpret),
   )(kt, w, u, d, s0)
 
 
@@ -579,7 +592,7 @@ def _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, bv, warps)
       in_specs=[_seq_v(t, bv), _state_spec(dk, bv), _seq(t, dk), _seq(t, dk), _seq(t, dk),
                 _seq(t, chunk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
-      interpret=interpret, compiler_params=_state_params(warps, interpret),
+      interpret=interpret, compiler_params=_state_params(warps, bv, interpret),
   )(do, dsf, qg, kt, w, aqk, d)
 
 
@@ -637,7 +650,7 @@ def _state_bwd_seq(local, do, dsf, qg, kt, w, d, *, chunk, interpret, bv, warps)
       in_specs=[_seq_v(t, bv), second[1], _state_spec(dk, bv), _seq(t, dk), _seq(t, dk),
                 _seq(t, dk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
-      interpret=interpret, compiler_params=_state_params(warps, interpret),
+      interpret=interpret, compiler_params=_state_params(warps, bv, interpret),
   )(local[0], second[0], dsf, qg, kt, w, d)
 
 

@@ -31,10 +31,10 @@ VARIANTS = {
     "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
     "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16, fuse_wu=False,
-                                             strip_earlier="blocks")),
+                                             strip_earlier="chunk")),
     # The forward / backward state-pass choices the grid rule makes on a GPU at many heads.
     "pallas_gpu_split_fwd_wide_bwd": ("pallas_gpu", dict(split_fwd=True, wide_bwd=True,
-                                                         wu_bk=64)),
+                                                         wu_bk=32)),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -206,6 +206,8 @@ def test_state_pass_variants_by_grid_size():
                                        (dict(strip_stages=5), "strip_stages must be"),
                                        (dict(split_fwd_bv=96), "split_fwd_bv must be"),
                                        (dict(wu_bk=48), "wu_bk must be"),
+                                       (dict(wu_warps=3), "wu_warps must be"),
+                                       (dict(wide_stages=5), "wide_stages must be"),
                                        (dict(intra_fwd="rows"), "intra_fwd must be one of"),
                                        (dict(wy_dots="fp16"), "wy_dots must be one of"),
                                        (dict(warps=8), "unexpected keyword")])
@@ -218,7 +220,7 @@ def test_variant_bad_settings_raise(kw, match):
 
 @pytest.mark.parametrize("intra_fwd, chunk, extra", [
     *[(name, 32, {}) for name in pallas_gpu.INTRA_FWDS],
-    ("strips", 64, dict(strip_earlier="blocks")), ("strips", 64, {})])
+    ("strips", 64, dict(strip_earlier="chunk")), ("strips", 64, {})])
 def test_intra_kernel_matches_jnp_definition(intra_fwd, chunk, extra):
   # Kernel-level: each forward intra-chunk kernel's tensors equal intra.intra_all (same masks and
   # maths), here with a reset inside the second 16-row strip of a chunk (and chunk 64: four
