@@ -26,7 +26,8 @@ chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields 
   nofusewu (split WY step with separate W and U kernels [fuse_wu]), wubk<N> / wuw<N> (their
   column block and num_warps [wu_bk, wu_warps]), sblocks / schunk (strip score kernel's earlier
   pairs block by block or as one masked chunk [strip_earlier]), wst<N> (num_stages of the state
-  kernels at V-blocks > 32 [wide_stages]),
+  kernels at V-blocks > 32 [wide_stages]), nogate (W/U gate q and k themselves instead of the
+  score kernel [gate_in_scores]),
   wbwd / nowbwd (backward state pass at wbv<N> / wbw<N> [wide_bwd_bv, wide_bwd_warps] or at
   bv / w whatever the grid [wide_bwd]; default: by grid size).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
@@ -100,7 +101,7 @@ _FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
                  "cumsum": ("cumsum_kernel", True), "nocumsum": ("cumsum_kernel", False),
                  "nofusewu": ("fuse_wu", False), "wbwd": ("wide_bwd", True),
                  "nowbwd": ("wide_bwd", False), "sblocks": ("strip_earlier", "blocks"),
-                 "schunk": ("strip_earlier", "chunk"),
+                 "schunk": ("strip_earlier", "chunk"), "nogate": ("gate_in_scores", False),
                  **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
 
 

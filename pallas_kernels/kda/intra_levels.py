@@ -230,8 +230,33 @@ def _earlier_rows(kc, gamc, ref, before):
   return jnp.where(before, kc * jnp.exp(jnp.where(before, ref - gamc, 0.0)), 0.0)
 
 
-def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_ref,
-                        aqk_ref, akk_ref, *, strips, scale, bk, mm_dtype):
+def _split_gate_refs(refs, gate: bool):
+  """(aqk_ref, akk_ref, gate refs (beta, qg, kt, kb) or None) from a strip kernel's trailing refs:
+  beta, aqk, akk, qg, kt, kb with `gate`, else aqk, akk."""
+  if not gate:
+    return refs[0], refs[1], None
+  beta_ref, aqk_ref, akk_ref, qg_ref, kt_ref, kb_ref = refs
+  return aqk_ref, akk_ref, (beta_ref, qg_ref, kt_ref, kb_ref)
+
+
+def _store_gates(gates, q, k, gam, cols, cnt_ref, cntr_ref, gamc_ref):
+  """Columns `cols` of a strip's e^Γ⊙Q, e^{Γ_C−Γ}⊙K and β⊙e^Γ⊙K (kernels.gated; q scaled): the
+  score kernel has these q, k, Γ tiles loaded already, so the W/U kernel then reads one [C, K]
+  operand (`wu_gated_kernel`) instead of q, k and fp32 Γ. No-op when `gates` is None."""
+  if gates is None:
+    return
+  beta_ref, qg_ref, kt_ref, kb_ref = gates
+  c = cntr_ref.shape[1]
+  cnt = cnt_ref[...]
+  last = pl.ds(c - 1, 1)
+  qg, kg, kt = gated(q, k, gam, cnt == 0.0, cnt == cntr_ref[:, last], gamc_ref[last, cols])
+  qg_ref[:, cols] = qg.astype(qg_ref.dtype)
+  kt_ref[:, cols] = kt.astype(kt_ref.dtype)
+  kb_ref[:, cols] = (beta_ref[...].astype(F32) * kg).astype(kb_ref.dtype)
+
+
+def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_ref, *refs,
+                        strips, scale, bk, mm_dtype, gate=False):
   """Rows of A_qk and A_kk for one strip of `sub` rows of a chunk (the "strips" forward: one
   small program per strip, as fla does, instead of one per chunk).
 
@@ -239,8 +264,10 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   factors ≤ 1), one dot per K-block; pairs inside the strip by levels (module docstring) on the
   strip's [sub, sub] block, then placed in its columns. Refs: q, k, gam [sub, K] (the strip);
   kc, gamc [C, K] (its whole chunk); cnt [sub, 1]; cntr [1, C]. Writes aqk (masked to s ≤ r in
-  one segment) and akk (s < r) [sub, C].
+  one segment) and akk (s < r) [sub, C]. With `gate` (Settings.gate_in_scores) `refs` are
+  beta [sub, 1], aqk, akk and then qg, kt, kb [sub, K] (`_store_gates`), else aqk, akk.
   """
+  aqk_ref, akk_ref, gates = _split_gate_refs(refs, gate)
   sub, dk = q_ref.shape
   c = kc_ref.shape[0]
   base = lax.rem(pl.program_id(1), strips) * sub         # first row of the strip in its chunk
@@ -254,6 +281,7 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
     e_row = jnp.exp(gam - ref)
     k_back = _earlier_rows(kc_ref[:, cols].astype(F32), gamc_ref[:, cols], ref, before)
     a_qk, a_kk, *own = carry
+    _store_gates(gates, q, k, gam, cols, cnt_ref, cntr_ref, gamc_ref)
     a_qk = a_qk + mm_nt(q * e_row, k_back, mm_dtype)
     a_kk = a_kk + mm_nt(k * e_row, k_back, mm_dtype)
     return (a_qk, a_kk, *_strip_diag_step(own, q, k, gam, gamc_ref, cols, base, mm_dtype))
@@ -269,14 +297,15 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   akk_ref[...] = jnp.where(same & (col < row), a_kk, 0.0)
 
 
-def strip_blocks_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_ref,
-                        aqk_ref, akk_ref, *, strips, scale, bk, mm_dtype):
+def strip_blocks_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_ref, *refs,
+                        strips, scale, bk, mm_dtype, gate=False):
   """`strip_scores_kernel` with the earlier pairs block by block (Settings.strip_earlier =
   "blocks"): strip r's program computes only the [sub, sub] column blocks j < r it needs, in a
   loop of r steps (one [sub, K] load of K and Γ and one dot over all of K each), and stores every
   block at its columns directly — no [C, K] operand masked to the rows before the strip, no
   one-hot placement of the diagonal block. Same refs, maths (pairs across blocks factor through
   the strip's first row) and outputs."""
+  aqk_ref, akk_ref, gates = _split_gate_refs(refs, gate)
   sub, dk = q_ref.shape
   r = lax.rem(pl.program_id(1), strips)                 # the strip's block index in its chunk
   base = r * sub
@@ -285,6 +314,7 @@ def strip_blocks_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
 
   def diag_block(kb, carry):
     cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
+    _store_gates(gates, q, k, gam, cols, cnt_ref, cntr_ref, gamc_ref)
     return _strip_diag_step(carry, q, k, gam, gamc_ref, cols, base, mm_dtype)
 
   zeros = jnp.zeros((sub, sub), F32)
@@ -431,6 +461,19 @@ def wu_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, cnt_ref, inv_ref, w_ref, u
   _write_w(q_ref, k_ref, gam_ref, beta, cnt_ref, x, w_ref, qg_ref, kt_ref, scale=scale,
            mm_dtype=mm_dtype)
   _write_u(v_ref, beta, x, u_ref, mm_dtype=mm_dtype)
+
+
+def wu_gated_kernel(kb_ref, v_ref, beta_ref, inv_ref, w_ref, u_ref, *, mm_dtype):
+  """`wu_kernel` after a gating strip kernel (`_store_gates`): W = X kb with kb = β⊙e^Γ⊙K read
+  ready-made, U = X Diag(β) V, for one chunk and one column block."""
+  x = inv_ref[...].astype(mm_dtype)
+  w_ref[...] = mm(x, kb_ref[...], mm_dtype).astype(w_ref.dtype)
+  _write_u(v_ref, beta_ref[...].astype(F32), x, u_ref, mm_dtype=mm_dtype)
+
+
+def w_gated_kernel(kb_ref, inv_ref, w_ref, *, mm_dtype):
+  """`w_kernel` after a gating strip kernel: W = X kb for one chunk and one K-block."""
+  w_ref[...] = mm(inv_ref[...].astype(mm_dtype), kb_ref[...], mm_dtype).astype(w_ref.dtype)
 
 
 def _write_w(q_ref, k_ref, gam_ref, beta, cnt_ref, x, w_ref, qg_ref, kt_ref, *, scale, mm_dtype):

@@ -60,8 +60,9 @@ class Settings:
   state_stages: int = 3        # their Triton num_stages (prefetch of the next chunk's loads)
                                # at V-blocks <= 32 (session-7 traces, 2×8192×16: fused forward
                                # 0.281 / 0.317 ms, backward 0.312 / 0.342 at 3 / 2 stages)
-  wide_stages: int = 2         # ... at V-blocks > 32 (split forward, wide backward): 3 stages
-                               # there ask for 237 KB of shared memory (the H200 has 227 KB)
+  wide_stages: int = 2         # ... at V-blocks > 32 (split forward, wide backward) and for fp32
+                               # operands: 3 stages there ask for 237 / 256 KB of shared memory
+                               # (the H200 has 227 KB)
   intra_fwd: str = "strips"    # forward intra kernel: "columns", "levels" or "strips" (see intra)
   intra_bwd: str = "kblocks"   # backward intra kernel: "chunk", "kblocks" or "strips" (intra_bwd)
   intra_bk: int = 32           # K-columns per block in the levels / WY / backward kernels
@@ -80,10 +81,16 @@ class Settings:
   inverse_warps: int = 1       # num_warps of its inverse kernel (session-6 traces, 2×8192×16:
                                # 0.058 / 0.095 / 0.164 ms at 1 / 2 / 4 warps)
   fuse_wu: bool = True         # wy_split with K = V: W and U in one kernel (wu_kernel)
-  wu_bk: int | None = 64       # K-/V-columns per W/U program (None: intra_bk); wider = fewer
-                               # re-reads of X, bigger accumulators (session-7 traces: 64 vs 32
-                               # 0.210 / 0.249 ms at 2×8192×16, 0.648 / 0.833 at 1×8192×96)
+  wu_bk: int | None = 128      # K-/V-columns per W/U program (None: intra_bk); wider = fewer
+                               # re-reads of X, bigger accumulators (session-7 traces, gated
+                               # W/U at 128 / 64 / 32: 0.088 / 0.096 / 0.131 ms at 2×8192×16,
+                               # 0.281 / 0.318 / 0.450 at 1×8192×96)
   wu_warps: int | None = None  # num_warps of the W/U kernel(s) (None: intra_warps)
+  gate_in_scores: bool = True  # wy_split: the strips score kernel also writes e^Γ⊙Q, e^{Γ_C−Γ}⊙K
+                               # and β⊙e^Γ⊙K for its rows (q, k, Γ are loaded there already),
+                               # so W/U read one [C, K] operand instead of q, k and fp32 Γ
+                               # (session-7 traces, forward kernels: 0.905 vs 0.937 ms at
+                               # 2×8192×16, 2.627 vs 2.836 at 1×8192×96)
   cumsum_kernel: bool = True   # in-chunk cumsum of g by `chunk_cumsum` (a Pallas kernel) instead
                                # of XLA's reduce-window (0.16 ms at 2×8192×16, session 6)
   intra_stages: int = 3        # Triton num_stages (software pipelining of the K-block loops' loads)
@@ -120,11 +127,14 @@ def _params(num_warps: int, num_stages: int = 2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _state_params(warps: int, bv: int, interpret: bool):
-  """Compiler params of the sequential state kernels at V-block `bv` (None in interpret mode)."""
+def _state_params(warps: int, bv: int, dtype, interpret: bool):
+  """Compiler params of the sequential state kernels at V-block `bv` with operands of `dtype`
+  (None in interpret mode): state_stages for 16-bit operands at V-blocks <= 32, else
+  wide_stages (fp32 operands at 3 stages ask for 256 KB of shared memory: session 7)."""
   if interpret:
     return None
-  return _params(warps, SETTINGS.state_stages if bv <= 32 else SETTINGS.wide_stages)
+  narrow = bv <= 32 and jnp.dtype(dtype).itemsize <= 2
+  return _params(warps, SETTINGS.state_stages if narrow else SETTINGS.wide_stages)
 
 
 def _check_bv(bv, name="block_v") -> int:
@@ -298,21 +308,29 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
   cnt_row = cnt.reshape(b, n, 1, chunk)
   scores_kernel = {"chunk": intra_levels.strip_scores_kernel,
                    "blocks": intra_levels.strip_blocks_kernel}[SETTINGS.strip_earlier]
-  aqk, akk = pl.pallas_call(
+  gate = SETTINGS.wy_split and SETTINGS.gate_in_scores
+  in_specs = [strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), _cnt_col(sub),
+              _cnt_row(chunk, strips)]
+  args = [q, k, gam, k, gam, cnt[..., None], cnt_row]
+  out_specs = [strip(chunk), strip(chunk)]
+  out_shape = [jax.ShapeDtypeStruct((b, t, h, chunk), st),
+               jax.ShapeDtypeStruct((b, t, h, chunk), F32)]
+  if gate:    # + β in; e^Γ⊙Q, e^{Γ_C−Γ}⊙K, β⊙e^Γ⊙K out (intra_levels._store_gates)
+    in_specs.append(_tok(sub, 1))
+    args.append(beta[..., None])
+    out_specs += [strip(dk)] * 3
+    out_shape += [jax.ShapeDtypeStruct((b, t, h, dk), st)] * 3
+  aqk, akk, *gates = pl.pallas_call(
       functools.partial(scores_kernel, strips=strips, scale=scale,
-                        bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st),
-      grid=(b, n * strips, h),
-      in_specs=[strip(dk), strip(dk), strip(dk), whole(dk), whole(dk), _cnt_col(sub),
-                _cnt_row(chunk, strips)],
-      out_specs=[strip(chunk), strip(chunk)],
-      out_shape=[jax.ShapeDtypeStruct((b, t, h, chunk), st),
-                 jax.ShapeDtypeStruct((b, t, h, chunk), F32)],
+                        bk=_intra_bk(dk, st, SETTINGS.strip_bk), mm_dtype=st, gate=gate),
+      grid=(b, n * strips, h), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       interpret=interpret,
       compiler_params=None if interpret else _params(SETTINGS.strip_warps, SETTINGS.strip_stages),
-  )(q, k, gam, k, gam, cnt[..., None], cnt_row)
+  )(*args)
   if SETTINGS.wy_split:
-    w, u, qg, kt, inv = _wy_split(q, k, v, gam, beta, cnt, akk, scale=scale, chunk=chunk, sub=sub,
-                                  bk=_intra_bk(dk, st, SETTINGS.wu_bk), interpret=interpret)
+    w, u, qg, kt, inv = _wy_split(q, k, v, gam, beta, cnt, akk, gates or None, scale=scale,
+                                  chunk=chunk, sub=sub, bk=_intra_bk(dk, st, SETTINGS.wu_bk),
+                                  interpret=interpret)
     return (aqk, w, u, qg, kt) + ((akk, inv) if save else (None, None))
   tok = functools.partial(_tok, chunk)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]
@@ -332,11 +350,13 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
   return (aqk, w, u, qg, kt) + ((akk, outs[4]) if save else (None, None))
 
 
-def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret):
+def _wy_split(q, k, v, gam, beta, cnt, akk, gates, *, scale, chunk, sub, bk, interpret):
   """The WY step as three chunk-parallel kernels ("wy_split"): X per chunk (inverse_kernel), then
   W, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk and K-block (w_kernel) and U per chunk and V-block
-  (u_kernel). Returns w, u, qg, kt and X [B,T,H,C] (always written) in q's dtype (X: every
-  reader casts it to the dots' dtype, q's)."""
+  (u_kernel), or W and U in one kernel (fuse_wu). `gates`: (qg, kt, kb) from the score kernel
+  (Settings.gate_in_scores), so W is X kb alone; None: the W kernels gate q and k themselves.
+  Returns w, u, qg, kt and X [B,T,H,C] (always written) in q's dtype (X: every reader casts it
+  to the dots' dtype, q's)."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
@@ -354,6 +374,9 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret)
   wu_warps = SETTINGS.intra_warps if SETTINGS.wu_warps is None else SETTINGS.wu_warps
   nvb = dv // vb
   kblk = _col_block(chunk, bk, nkb)
+  if gates is not None:
+    return _wy_gated(v, beta, inv, gates, chunk=chunk, bk=bk, warps=wu_warps,
+                     interpret=interpret) + (inv,)
   if SETTINGS.fuse_wu and dv == dk:
     w, u, qg, kt = pl.pallas_call(
         functools.partial(intra_levels.wu_kernel, scale=scale, mm_dtype=st),
@@ -383,6 +406,45 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, *, scale, chunk, sub, bk, interpret)
       compiler_params=params(wu_warps),
   )(v, beta[..., None], inv)
   return w, u, qg, kt, inv
+
+
+def _wy_gated(v, beta, inv, gates, *, chunk, bk, warps, interpret):
+  """W = X kb and U = X Diag(β) V from X and the gating score kernel's kb = β⊙e^Γ⊙K: one kernel
+  per chunk and column block when K = V and fuse_wu, else a W and a U kernel. Returns (w, u, qg,
+  kt) with qg, kt passed through from `gates`."""
+  qg, kt, kb = gates
+  b, t, h, dk = kb.shape
+  dv = v.shape[-1]
+  n = t // chunk
+  st = kb.dtype
+  params = None if interpret else _params(warps, SETTINGS.intra_stages)
+  nkb, vb = dk // bk, min(bk, dv)
+  nvb = dv // vb
+  kblk = _col_block(chunk, bk, nkb)
+  if SETTINGS.fuse_wu and dv == dk:
+    w, u = pl.pallas_call(
+        functools.partial(intra_levels.wu_gated_kernel, mm_dtype=st),
+        grid=(b, n * nkb, h),
+        in_specs=[kblk, kblk, _tok(chunk, 1, nkb), _tok(chunk, chunk, nkb)],
+        out_specs=[kblk] * 2, out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), st)] * 2,
+        interpret=interpret, compiler_params=params,
+    )(kb, v, beta[..., None], inv)
+    return w, u, qg, kt
+  w = pl.pallas_call(
+      functools.partial(intra_levels.w_gated_kernel, mm_dtype=st),
+      grid=(b, n * nkb, h), in_specs=[kblk, _tok(chunk, chunk, nkb)], out_specs=kblk,
+      out_shape=jax.ShapeDtypeStruct((b, t, h, dk), st), interpret=interpret,
+      compiler_params=params,
+  )(kb, inv)
+  vblk = _col_block(chunk, vb, nvb)
+  u = pl.pallas_call(
+      functools.partial(intra_levels.u_kernel, mm_dtype=st),
+      grid=(b, n * nvb, h),
+      in_specs=[vblk, _tok(chunk, 1, nvb), _tok(chunk, chunk, nvb)],
+      out_specs=vblk, out_shape=jax.ShapeDtypeStruct((b, t, h, dv), st), interpret=interpret,
+      compiler_params=params,
+  )(v, beta[..., None], inv)
+  return w, u, qg, kt
 
 
 def _seq(t, d):
@@ -487,7 +549,7 @@ def _state_fwd_fused(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret, bv, wa
       in_specs=[_seq(t, dk), _seq(t, dk), _seq(t, dk), _seq_v(t, bv), _seq(t, chunk),
                 _decay_spec(n, dk), _state_spec(dk, bv)],
       out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-      compiler_params=_state_params(warps, bv, interpret),
+      compiler_params=_state_params(warps, bv, st, interpret),
   )(qg, kt, w, u, aqk, d, s0)
 
 
@@ -518,7 +580,7 @@ def _state_fwd_seq(kt, w, u, d, s0, *, chunk, interpret, bv, warps):
       out_shape=[jax.ShapeDtypeStruct((b, h, dk, dv), F32),
                  jax.ShapeDtypeStruct((b, n, h, dk, dv), st),
                  jax.ShapeDtypeStruct((b, t, h, dv), st)],
-      interpret=interpret, compiler_params=_state_params(warps, bv, interpret),
+      interpret=interpret, compiler_params=_state_params(warps, bv, st, interpret),
   )(kt, w, u, d, s0)
 
 
@@ -592,7 +654,7 @@ def _state_bwd_fused(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret, bv, warps)
       in_specs=[_seq_v(t, bv), _state_spec(dk, bv), _seq(t, dk), _seq(t, dk), _seq(t, dk),
                 _seq(t, chunk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
-      interpret=interpret, compiler_params=_state_params(warps, bv, interpret),
+      interpret=interpret, compiler_params=_state_params(warps, bv, st, interpret),
   )(do, dsf, qg, kt, w, aqk, d)
 
 
@@ -650,7 +712,7 @@ def _state_bwd_seq(local, do, dsf, qg, kt, w, d, *, chunk, interpret, bv, warps)
       in_specs=[_seq_v(t, bv), second[1], _state_spec(dk, bv), _seq(t, dk), _seq(t, dk),
                 _seq(t, dk), _decay_spec(n, dk)],
       **_state_bwd_outputs(b, t, h, n, dk, dv, bv, st),
-      interpret=interpret, compiler_params=_state_params(warps, bv, interpret),
+      interpret=interpret, compiler_params=_state_params(warps, bv, st, interpret),
   )(local[0], second[0], dsf, qg, kt, w, d)
 
 

@@ -32,6 +32,8 @@ VARIANTS = {
     "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
     "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16, fuse_wu=False,
                                              strip_earlier="chunk")),
+    # W and U gating q, k themselves (not the score kernel) and separate W / U kernels.
+    "pallas_gpu_ungated": ("pallas_gpu", dict(gate_in_scores=False, fuse_wu=False)),
     # The forward / backward state-pass choices the grid rule makes on a GPU at many heads.
     "pallas_gpu_split_fwd_wide_bwd": ("pallas_gpu", dict(split_fwd=True, wide_bwd=True,
                                                          wu_bk=32)),
@@ -93,7 +95,7 @@ def packed_results(variant, dtype_name):
 
 @pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist", "pallas_gpu_levels",
                                      "pallas_gpu_columns_chunk", "pallas_gpu_strips",
-                                     "pallas_gpu_split_fwd_wide_bwd"))
+                                     "pallas_gpu_split_fwd_wide_bwd", "pallas_gpu_ungated"))
 def test_packed_fp32_matches_reference(backend):
   o_ref, s_ref, g_ref = packed_results("reference", "float32")
   o, s, grads = packed_results(backend, "float32")
@@ -220,7 +222,8 @@ def test_variant_bad_settings_raise(kw, match):
 
 @pytest.mark.parametrize("intra_fwd, chunk, extra", [
     *[(name, 32, {}) for name in pallas_gpu.INTRA_FWDS],
-    ("strips", 64, dict(strip_earlier="chunk")), ("strips", 64, {})])
+    ("strips", 64, dict(strip_earlier="chunk")), ("strips", 64, {}),
+    ("strips", 64, dict(gate_in_scores=False))])
 def test_intra_kernel_matches_jnp_definition(intra_fwd, chunk, extra):
   # Kernel-level: each forward intra-chunk kernel's tensors equal intra.intra_all (same masks and
   # maths), here with a reset inside the second 16-row strip of a chunk (and chunk 64: four
