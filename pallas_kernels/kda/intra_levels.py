@@ -28,7 +28,8 @@ Kernels (pallas_gpu.Settings picks them): `intra_fwd_kernel` (one chunk per prog
 the "strips" forward: scores per 16-row strip (`strip_scores_kernel`, or `strip_blocks_kernel`
 walking the earlier 16-row blocks), then either `wy_kernel` (inverse, W and U per chunk) or the
 split WY step (`inverse_kernel` per chunk, then `wu_kernel` — or `w_kernel` and `u_kernel` — per
-chunk and column block); `intra_bwd_kernel` (one chunk per program) or `wy_bwd_kernel` +
+chunk and column block; `wu_gated_kernel` / `w_gated_kernel` when the score kernel already wrote
+the gated operands, `_store_gates`); `intra_bwd_kernel` (one chunk per program) or `wy_bwd_kernel` +
 `score_bwd_kernel` (the "kblocks" backward: per chunk, then per chunk and K-block).
 """
 

@@ -370,12 +370,11 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, gates, *, scale, chunk, sub, bk, int
       out_shape=jax.ShapeDtypeStruct((b, t, h, chunk), st), interpret=interpret,
       compiler_params=params(SETTINGS.inverse_warps),
   )(beta[..., None], akk)
-  nkb, vb = dk // bk, min(bk, dv)
+  nkb = dk // bk
   wu_warps = SETTINGS.intra_warps if SETTINGS.wu_warps is None else SETTINGS.wu_warps
-  nvb = dv // vb
   kblk = _col_block(chunk, bk, nkb)
   if gates is not None:
-    return _wy_gated(v, beta, inv, gates, chunk=chunk, bk=bk, warps=wu_warps,
+    return _wy_gated(v, beta, inv, gates, chunk=chunk, bk=bk, params=params(wu_warps),
                      interpret=interpret) + (inv,)
   if SETTINGS.fuse_wu and dv == dk:
     w, u, qg, kt = pl.pallas_call(
@@ -397,18 +396,11 @@ def _wy_split(q, k, v, gam, beta, cnt, akk, gates, *, scale, chunk, sub, bk, int
       out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), st)] * 3, interpret=interpret,
       compiler_params=params(wu_warps),
   )(q, k, gam, beta[..., None], cnt[..., None], inv)
-  vblk = _col_block(chunk, vb, nvb)
-  u = pl.pallas_call(
-      functools.partial(intra_levels.u_kernel, mm_dtype=st),
-      grid=(b, n * nvb, h),
-      in_specs=[vblk, _tok(chunk, 1, nvb), _tok(chunk, chunk, nvb)],
-      out_specs=vblk, out_shape=jax.ShapeDtypeStruct((b, t, h, dv), st), interpret=interpret,
-      compiler_params=params(wu_warps),
-  )(v, beta[..., None], inv)
-  return w, u, qg, kt, inv
+  return w, _u_pass(v, beta, inv, chunk=chunk, bk=bk, params=params(wu_warps),
+                    interpret=interpret), qg, kt, inv
 
 
-def _wy_gated(v, beta, inv, gates, *, chunk, bk, warps, interpret):
+def _wy_gated(v, beta, inv, gates, *, chunk, bk, params, interpret):
   """W = X kb and U = X Diag(β) V from X and the gating score kernel's kb = β⊙e^Γ⊙K: one kernel
   per chunk and column block when K = V and fuse_wu, else a W and a U kernel. Returns (w, u, qg,
   kt) with qg, kt passed through from `gates`."""
@@ -417,9 +409,7 @@ def _wy_gated(v, beta, inv, gates, *, chunk, bk, warps, interpret):
   dv = v.shape[-1]
   n = t // chunk
   st = kb.dtype
-  params = None if interpret else _params(warps, SETTINGS.intra_stages)
-  nkb, vb = dk // bk, min(bk, dv)
-  nvb = dv // vb
+  nkb = dk // bk
   kblk = _col_block(chunk, bk, nkb)
   if SETTINGS.fuse_wu and dv == dk:
     w, u = pl.pallas_call(
@@ -436,15 +426,23 @@ def _wy_gated(v, beta, inv, gates, *, chunk, bk, warps, interpret):
       out_shape=jax.ShapeDtypeStruct((b, t, h, dk), st), interpret=interpret,
       compiler_params=params,
   )(kb, inv)
+  return w, _u_pass(v, beta, inv, chunk=chunk, bk=bk, params=params, interpret=interpret), qg, kt
+
+
+def _u_pass(v, beta, inv, *, chunk, bk, params, interpret):
+  """U = X Diag(β) V [B,T,H,V] in v's dtype, per chunk and V-block of min(bk, V) columns
+  (intra_levels.u_kernel)."""
+  b, t, h, dv = v.shape
+  vb = min(bk, dv)
+  nvb = dv // vb
   vblk = _col_block(chunk, vb, nvb)
-  u = pl.pallas_call(
-      functools.partial(intra_levels.u_kernel, mm_dtype=st),
-      grid=(b, n * nvb, h),
+  return pl.pallas_call(
+      functools.partial(intra_levels.u_kernel, mm_dtype=v.dtype),
+      grid=(b, t // chunk * nvb, h),
       in_specs=[vblk, _tok(chunk, 1, nvb), _tok(chunk, chunk, nvb)],
-      out_specs=vblk, out_shape=jax.ShapeDtypeStruct((b, t, h, dv), st), interpret=interpret,
+      out_specs=vblk, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype), interpret=interpret,
       compiler_params=params,
   )(v, beta[..., None], inv)
-  return w, u, qg, kt
 
 
 def _seq(t, d):
