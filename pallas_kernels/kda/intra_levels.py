@@ -231,29 +231,38 @@ def _earlier_rows(kc, gamc, ref, before):
   return jnp.where(before, kc * jnp.exp(jnp.where(before, ref - gamc, 0.0)), 0.0)
 
 
-def _split_gate_refs(refs, gate: bool):
-  """(aqk_ref, akk_ref, gate refs (beta, qg, kt, kb) or None) from a strip kernel's trailing refs:
-  beta, aqk, akk, qg, kt, kb with `gate`, else aqk, akk."""
+def _gate_context(refs, gate: bool, cnt_ref, cntr_ref):
+  """(aqk_ref, akk_ref, gates) from a strip kernel's trailing refs — beta, aqk, akk, qg, kt, kb
+  with `gate`, else aqk, akk. gates (None without `gate`): the strip's loop-invariant masks and β,
+  loaded once here (sees S₀ [sub, 1], in the chunk's last segment [sub, 1], β [sub, 1] fp32),
+  then the qg, kt, kb refs, for `_store_gates` in the K-block loop."""
   if not gate:
     return refs[0], refs[1], None
   beta_ref, aqk_ref, akk_ref, qg_ref, kt_ref, kb_ref = refs
-  return aqk_ref, akk_ref, (beta_ref, qg_ref, kt_ref, kb_ref)
+  cnt = cnt_ref[...]
+  in_last = cnt == cntr_ref[:, pl.ds(cntr_ref.shape[1] - 1, 1)]
+  return aqk_ref, akk_ref, (cnt == 0.0, in_last, beta_ref[...].astype(F32), qg_ref, kt_ref, kb_ref)
 
 
-def _store_gates(gates, q, k, gam, cols, cnt_ref, cntr_ref, gamc_ref):
-  """Columns `cols` of a strip's e^Γ⊙Q, e^{Γ_C−Γ}⊙K and β⊙e^Γ⊙K (kernels.gated; q scaled): the
-  score kernel has these q, k, Γ tiles loaded already, so the W/U kernel then reads one [C, K]
-  operand (`wu_gated_kernel`) instead of q, k and fp32 Γ. No-op when `gates` is None."""
+def _store_gates(gates, q, k, gam, cols, gamc_ref):
+  """Columns `cols` of a strip's e^Γ⊙Q, e^{Γ_C−Γ}⊙K and β⊙e^Γ⊙K (q scaled): the score kernel has
+  these q, k, Γ tiles loaded already, so the W/U kernel then reads one [C, K] operand
+  (`wu_gated_kernel`) instead of q, k and fp32 Γ. No-op when `gates` is None."""
   if gates is None:
     return
-  beta_ref, qg_ref, kt_ref, kb_ref = gates
-  c = cntr_ref.shape[1]
-  cnt = cnt_ref[...]
-  last = pl.ds(c - 1, 1)
-  qg, kg, kt = gated(q, k, gam, cnt == 0.0, cnt == cntr_ref[:, last], gamc_ref[last, cols])
+  sees, in_last, beta, qg_ref, kt_ref, kb_ref = gates
+  gam_last = gamc_ref[pl.ds(gamc_ref.shape[0] - 1, 1), cols]
+  kb_ref[:, cols] = (beta * _store_qg_kt(q, k, gam, sees, in_last, gam_last, qg_ref, kt_ref,
+                                         cols)).astype(kb_ref.dtype)
+
+
+def _store_qg_kt(q, k, gam, sees, in_last, gam_last, qg_ref, kt_ref, cols):
+  """Gate scaled q and k tiles (kernels.gated), store columns `cols` of e^Γ⊙Q and e^{Γ_C−Γ}⊙K,
+  and return e^Γ⊙K (fp32), W's operand before β."""
+  qg, kg, kt = gated(q, k, gam, sees, in_last, gam_last)
   qg_ref[:, cols] = qg.astype(qg_ref.dtype)
   kt_ref[:, cols] = kt.astype(kt_ref.dtype)
-  kb_ref[:, cols] = (beta_ref[...].astype(F32) * kg).astype(kb_ref.dtype)
+  return kg
 
 
 def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_ref, *refs,
@@ -268,7 +277,7 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   one segment) and akk (s < r) [sub, C]. With `gate` (Settings.gate_in_scores) `refs` are
   beta [sub, 1], aqk, akk and then qg, kt, kb [sub, K] (`_store_gates`), else aqk, akk.
   """
-  aqk_ref, akk_ref, gates = _split_gate_refs(refs, gate)
+  aqk_ref, akk_ref, gates = _gate_context(refs, gate, cnt_ref, cntr_ref)
   sub, dk = q_ref.shape
   c = kc_ref.shape[0]
   base = lax.rem(pl.program_id(1), strips) * sub         # first row of the strip in its chunk
@@ -282,7 +291,7 @@ def strip_scores_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
     e_row = jnp.exp(gam - ref)
     k_back = _earlier_rows(kc_ref[:, cols].astype(F32), gamc_ref[:, cols], ref, before)
     a_qk, a_kk, *own = carry
-    _store_gates(gates, q, k, gam, cols, cnt_ref, cntr_ref, gamc_ref)
+    _store_gates(gates, q, k, gam, cols, gamc_ref)
     a_qk = a_qk + mm_nt(q * e_row, k_back, mm_dtype)
     a_kk = a_kk + mm_nt(k * e_row, k_back, mm_dtype)
     return (a_qk, a_kk, *_strip_diag_step(own, q, k, gam, gamc_ref, cols, base, mm_dtype))
@@ -306,7 +315,7 @@ def strip_blocks_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
   block at its columns directly — no [C, K] operand masked to the rows before the strip, no
   one-hot placement of the diagonal block. Same refs, maths (pairs across blocks factor through
   the strip's first row) and outputs."""
-  aqk_ref, akk_ref, gates = _split_gate_refs(refs, gate)
+  aqk_ref, akk_ref, gates = _gate_context(refs, gate, cnt_ref, cntr_ref)
   sub, dk = q_ref.shape
   r = lax.rem(pl.program_id(1), strips)                 # the strip's block index in its chunk
   base = r * sub
@@ -315,7 +324,7 @@ def strip_blocks_kernel(q_ref, k_ref, gam_ref, kc_ref, gamc_ref, cnt_ref, cntr_r
 
   def diag_block(kb, carry):
     cols, q, k, gam = _k_block(q_ref, k_ref, gam_ref, kb, bk, scale)
-    _store_gates(gates, q, k, gam, cols, cnt_ref, cntr_ref, gamc_ref)
+    _store_gates(gates, q, k, gam, cols, gamc_ref)
     return _strip_diag_step(carry, q, k, gam, gamc_ref, cols, base, mm_dtype)
 
   zeros = jnp.zeros((sub, sub), F32)
@@ -490,10 +499,8 @@ def _store_w_qg_kt(x, beta, q, k, gam, sees, in_last, gam_last, w_ref, qg_ref, k
                    mm_dtype):
   """Columns `cols` of W = X Diag(β) e^Γ⊙K, e^Γ⊙Q and e^{Γ_C−Γ}⊙K (see kernels.gated) from one
   chunk's [C, ·] tiles of scaled q, k and Γ (x: X in mm_dtype)."""
-  qg, kg, kt = gated(q, k, gam, sees, in_last, gam_last)
+  kg = _store_qg_kt(q, k, gam, sees, in_last, gam_last, qg_ref, kt_ref, cols)
   w_ref[:, cols] = mm(x, beta * kg, mm_dtype).astype(w_ref.dtype)
-  qg_ref[:, cols] = qg.astype(qg_ref.dtype)
-  kt_ref[:, cols] = kt.astype(kt_ref.dtype)
 
 
 def _write_u(v_ref, beta, x, u_ref, *, mm_dtype):

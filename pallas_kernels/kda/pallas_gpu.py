@@ -328,9 +328,9 @@ def _intra_strips(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save):
       compiler_params=None if interpret else _params(SETTINGS.strip_warps, SETTINGS.strip_stages),
   )(*args)
   if SETTINGS.wy_split:
-    w, u, qg, kt, inv = _wy_split(q, k, v, gam, beta, cnt, akk, gates or None, scale=scale,
-                                  chunk=chunk, sub=sub, bk=_intra_bk(dk, st, SETTINGS.wu_bk),
-                                  interpret=interpret)
+    w, u, qg, kt, inv = _wy_split(q, k, v, gam, beta, cnt, akk, tuple(gates) if gate else None,
+                                  scale=scale, chunk=chunk, sub=sub,
+                                  bk=_intra_bk(dk, st, SETTINGS.wu_bk), interpret=interpret)
     return (aqk, w, u, qg, kt) + ((akk, inv) if save else (None, None))
   tok = functools.partial(_tok, chunk)
   shapes = [jax.ShapeDtypeStruct((b, t, h, d), st) for d in (dk, dv, dk, dk)]
