@@ -21,7 +21,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import k3_full, k3_h200  # noqa: E402
+from k3train import config as config_lib  # noqa: E402
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from k3train.data import pipeline  # noqa: E402
 from k3train.tools.count_params import count  # noqa: E402
 from k3train.train import metrics as metrics_lib  # noqa: E402
@@ -31,7 +33,7 @@ PEAK = 989e12
 
 
 def h200_tokens_per_s() -> tuple[float, float]:
-  cfg = k3_h200.get_config()
+  cfg = config_lib.load_file(os.path.join(_REPO, "configs", "k3_h200.py"))
   c = count(cfg)
   fpt = metrics_lib.train_flops_per_token(cfg, c["active_params"],
                                           c["components"].get("embedding", {}).get("params", 0),
@@ -40,7 +42,7 @@ def h200_tokens_per_s() -> tuple[float, float]:
 
 
 def measure(sources, *, workers: int, threads: int, vision: bool, seconds: float, batch: int = 8):
-  cfg = k3_full.get_config().data
+  cfg = config_lib.load_file(os.path.join(_REPO, "configs", "k3_full.py")).data
   cfg.sources, cfg.weights = tuple(sources), tuple(1.0 for _ in sources)
   cfg.num_workers, cfg.num_threads, cfg.vision.enabled = workers, threads, vision
   it = pipeline.make_iterator(cfg, batch_size=batch, seed=0)

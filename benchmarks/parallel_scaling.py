@@ -27,14 +27,16 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import k3_h200  # noqa: E402
+from k3train import config as config_lib  # noqa: E402
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from k3train import config as config_lib  # noqa: E402
 from k3train.optim.optimizer import make_optimizer  # noqa: E402
 from k3train.train import layout as layout_lib  # noqa: E402
 
 
 def make_config(args):
-  cfg = k3_h200.get_config()
+  cfg = config_lib.load_file(os.path.join(_REPO, "configs", "k3_h200.py"))
   cfg.model.num_layers = args.layers
   cfg.model.mla_layers = tuple(range(4, args.layers, 4)) + (args.layers,)
   cfg.optim.optimizer = "adamw"

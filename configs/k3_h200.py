@@ -5,11 +5,11 @@ K3 per-layer shapes where they fit (128-dim KDA/MLA heads, MLA ranks, latent MoE
 fp32 weights + AdamW moments + gradients ≈ 72 GB, leaving room for bf16 activations with remat.
 """
 
-from configs import k3_full
+from k3train import defaults
 
 
 def get_config():
-  c = k3_full.get_config()
+  c = defaults.k3_full()
   m = c.model
   m.d_model = 2048
   m.num_layers = 21                      # dense prefix to the first MLA, 4 super-blocks, final MLA

@@ -3,11 +3,11 @@
 Derived from k3_full; only sizes change. One step takes well under a second on 2 CPU cores.
 """
 
-from configs import k3_full
+from k3train import defaults
 
 
 def get_config():
-  c = k3_full.get_config()
+  c = defaults.k3_full()
   m = c.model
   m.vocab_size = 4096             # the shipped default tokenizer's vocabulary
   m.d_model = 64

@@ -1,6 +1,6 @@
 """Config schema checks and derived fields.
 
-Every config derives from `configs/k3_full.py`, whose key set and value types are the schema.
+Every config derives from `k3train/defaults.py` (the released K3), whose key set and value types are the schema.
 `validate` fails at start with a message naming the key and what is allowed; nothing here fills
 in model-defining numbers silently.
 """
@@ -8,28 +8,61 @@ in model-defining numbers silently.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import types
 from typing import Any
 
 import ml_collections
+
+from k3train import defaults
+from pallas_kernels import kda as kda_op
+from pallas_kernels import moe as moe_ops
 
 
 class ConfigError(ValueError):
   """A config key is unknown, has the wrong type, or is inconsistent with another key."""
 
 
+# "none", "full", or the name of a jax.checkpoint_policies policy.
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-KDA_BACKENDS = ("auto", "reference", "jax", "pallas_gpu", "pallas_tpu")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 PARALLEL_RULES = ("default", "long_context", "full")   # k3train/parallel/rules.py RECIPES
 EXPERT_EXCHANGES = ("auto", "all_to_all", "ragged")
-MOE_BACKENDS = ("auto", "reference", "ragged_dot", "pallas_gpu", "pallas_tpu")
+KDA_BACKENDS = kda_op.BACKENDS
+MOE_BACKENDS = moe_ops.BACKENDS
+# `data` keys that may change between curriculum stages (and so between a checkpoint and the run
+# restoring it): the data iterator re-plans them without losing its place in any source.
+DATA_STAGE_KEYS = ("weights", "seq_len", "num_workers", "num_threads")
 
 
 def _schema() -> ml_collections.ConfigDict:
-  from configs import k3_full  # local import: configs/ imports nothing from k3train
-  return k3_full.get_config()
+  return defaults.k3_full()
+
+
+def load_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file given by path (what `--config=FILE` loads).
+
+  Config files are plain Python files, not an installed package; a missing file or one without
+  `get_config` raises ConfigError naming the path.
+  """
+  return load_module(path).get_config()
+
+
+def load_module(path: str | os.PathLike) -> types.ModuleType:
+  """The config file at `path` as a module (not registered in sys.modules)."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} does not exist")
+  name = "k3train_config_" + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not callable(getattr(module, "get_config", None)):
+    raise ConfigError(f"config file {path!r} defines no get_config()")
+  return module
 
 
 def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
@@ -54,7 +87,7 @@ def _check_types(cfg: ml_collections.ConfigDict) -> None:
                         f"{sorted({k.split('.')[0] for k in schema})})")
   for key, ref in schema.items():
     if key not in given:
-      raise ConfigError(f"config key {key!r} is missing; every config derives from configs/k3_full.py")
+      raise ConfigError(f"config key {key!r} is missing; every config derives from k3train/defaults.py")
     value = given[key]
     if isinstance(ref, bool):
       ok = isinstance(value, bool)

@@ -11,14 +11,22 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags
 
-from k3train import config as config_lib
+from k3train import cli
 
-_CACHE_DIR = flags.DEFINE_string(
-    "compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "k3train", "xla"),
-    "Persistent XLA compilation cache (resumes and repeated runs skip compilation); '' disables it")
+PROG = "python -m k3train.main"
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "k3train", "xla")
+
+
+def _define(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "where checkpoints and metrics.jsonl go (resumes from it)",
+                      flag_values=fv)
+  flags.DEFINE_integer("stop_at_step", None, "stop (with a checkpoint) after this step, as if "
+                       "interrupted", flag_values=fv)
+  flags.DEFINE_string("compilation_cache_dir", DEFAULT_CACHE_DIR, "persistent XLA compilation "
+                      "cache (resumes and repeated runs skip compilation); '' disables it",
+                      flag_values=fv)
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -29,37 +37,30 @@ def enable_compilation_cache(path: str) -> None:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file, e.g. configs/k3_tiny.py",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics.jsonl go (resumes from it)")
-_STOP_AT = flags.DEFINE_integer("stop_at_step", None,
-                                "Stop (with a checkpoint) after this step, as if interrupted")
 
-
-def main(argv) -> int:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _CONFIG.value is None or _WORKDIR.value is None:
-    raise app.UsageError("both --config and --workdir are required")
-  try:
-    cfg = config_lib.validate(_CONFIG.value)
-  except config_lib.ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    return 2
+def main(argv=None) -> int:
+  args = cli.parse(argv, PROG, define=_define)
+  if args.exit_code is not None:
+    return args.exit_code
+  cfg, fv = args.config, args.flags
+  if not fv.workdir:
+    cli.error(PROG, "--workdir is required")
+    return cli.USAGE_ERROR
   from k3train.parallel import distributed
   try:
     description = distributed.initialize_from_environment()  # before any JAX computation
   except distributed.DistributedSetupError as e:
-    print(f"distributed set-up error: {e}", file=sys.stderr)
-    return 2
-  enable_compilation_cache(_CACHE_DIR.value)
+    cli.error(PROG, f"distributed set-up error: {e}")
+    return cli.USAGE_ERROR
+  enable_compilation_cache(fv.compilation_cache_dir)
   import jax
+  from absl import logging
   if jax.process_index() == 0:
     print(description, flush=True)
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   from k3train.train import loop  # heavy imports after flag parsing
   try:
-    loop.train(cfg, _WORKDIR.value, stop_at_step=_STOP_AT.value)
+    loop.train(cfg, fv.workdir, stop_at_step=fv.stop_at_step)
   except loop.NonFiniteLossError as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
@@ -67,4 +68,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  sys.exit(main())

@@ -7,7 +7,7 @@ import copy
 import ml_collections
 import pytest
 
-from configs import k3_full, k3_tiny
+from tests.configs import k3_full, k3_tiny
 from k3train import config as config_lib
 
 
@@ -229,7 +229,7 @@ def test_errors_are_value_errors_and_copies_unaffected():
 def test_h200_proxy_validates_and_fits_one_h200():
   """k3_h200 keeps K3's per-head shapes and its fp32 weights, AdamW moments and gradients
   (16 bytes per parameter) leave at least 40 GB of a 141 GB H200 for activations."""
-  from configs import k3_h200
+  from tests.configs import k3_h200
   from k3train.tools.count_params import count
   cfg = config_lib.validate(k3_h200.get_config())
   m = cfg.model

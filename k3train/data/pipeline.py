@@ -64,6 +64,7 @@ import grain
 from grain.experimental import FirstFitPackIterDataset
 import numpy as np
 
+from k3train import config as config_lib
 from k3train.data import documents
 from k3train.data import sources as sources_lib
 from k3train.data import tokenizer as tokenizer_lib
@@ -365,9 +366,9 @@ def reader_states(state: Mapping[str, Any]) -> dict[str, dict]:
 
 # --- building -----------------------------------------------------------------------------
 
-# Config keys that may differ between a saved state and the pipeline restoring it.
-STAGE_KEYS = ("weights", "seq_len", "batch_size", "process_index", "process_count", "num_workers",
-              "num_threads")
+# Iterator settings that may differ between a saved state and the pipeline restoring it: the
+# curriculum's data keys plus the batch and host layout (the mesh may change between stages).
+STAGE_KEYS = config_lib.DATA_STAGE_KEYS + ("batch_size", "process_index", "process_count")
 
 
 def _vision_cfg(v) -> tuple[vision_lib.VisionConfig, bool, int, int]:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
 from k3train.model import layers
 
 

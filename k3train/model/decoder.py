@@ -17,7 +17,8 @@ from flax import nnx
 
 from k3train import config as config_lib
 from k3train.model import attnres
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
+from k3train.parallel.rules import constrain
 from k3train.model import layers
 from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
@@ -58,7 +59,7 @@ class DecoderLayer(nnx.Module):
     h = self.mlp_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
     h = self.mlp_norm(h)
     p = p + (self.ffn(h) if self.ffn_kind == "dense" else self.ffn(h, token_mask_bt))
-    p = ax.constrain(p, ax.BATCH, ax.SEQ, ax.EMBED)
+    p = constrain(p, ax.BATCH, ax.SEQ, ax.EMBED)
     return blocks, num_blocks, p
 
 
@@ -74,11 +75,10 @@ class SuperBlock(nnx.Module):
     return stream
 
 
-REMAT_POLICIES = {
-    "full": None,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+# model.remat_policy → jax.checkpoint policy: "full" saves nothing, the others are jax's policies
+# of the same name ("none" does not rematerialise at all).
+REMAT_POLICIES = {name: None if name == "full" else getattr(jax.checkpoint_policies, name)
+                  for name in config_lib.REMAT_POLICIES if name != "none"}
 
 
 class K3Model(nnx.Module):
@@ -146,7 +146,7 @@ class K3Model(nnx.Module):
     """The final AttnRes mix before the norm, [B, T, d] (also the MTP input)."""
     if token_mask_bt is None:
       token_mask_bt = jnp.ones(tokens_bt.shape, jnp.float32)
-    x = ax.constrain(self.embed(tokens_bt), ax.BATCH, ax.SEQ, ax.EMBED)
+    x = constrain(self.embed(tokens_bt), ax.BATCH, ax.SEQ, ax.EMBED)
     stream = attnres.init_stream(x, self.max_sources)
     for i, layer in enumerate(self.prefix):
       stream = self._run_layer(layer, stream, i, segment_ids_bt, token_mask_bt)
@@ -161,7 +161,7 @@ class K3Model(nnx.Module):
   def __call__(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
     h = self.hidden_states(tokens_bt, segment_ids_bt, token_mask_bt)
     logits = self.lm_head(self.final_norm(h))
-    return ax.constrain(logits, ax.BATCH, ax.SEQ, ax.VOCAB)
+    return constrain(logits, ax.BATCH, ax.SEQ, ax.VOCAB)
 
 
 log = logging.getLogger(__name__)
@@ -184,9 +184,14 @@ def _compile_fast(lowered):
   return lowered.compile()
 
 
+def abstract_model(m: ml_collections.ConfigDict, seed: int = 0) -> K3Model:
+  """The model with ShapeDtypeStructs for arrays (nothing allocated): shapes, names, structure."""
+  return nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(params=seed)))
+
+
 def build_model(m: ml_collections.ConfigDict, seed: int = 0, out_shardings=None) -> K3Model:
   """Initialises the model inside one jit (eager init would dispatch thousands of tiny ops)."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(params=seed))))
+  graphdef = nnx.graphdef(abstract_model(m, seed))
   init = jax.jit(lambda: nnx.state(K3Model(m, rngs=nnx.Rngs(params=seed))), out_shardings=out_shardings)
   state = _compile_fast(init.lower())()
   return nnx.merge(graphdef, state)

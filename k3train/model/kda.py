@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
+from k3train.parallel.rules import constrain
 from k3train.model import layers
 from k3train.parallel import sequence as seq_parallel
 
@@ -101,7 +102,7 @@ class KimiDeltaAttention(nnx.Module):
     act = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     def branch(proj, conv):
       y = seq_parallel.causal_conv(proj(x_btd), conv[...], segment_ids_bt, causal_conv)
-      return ax.constrain(jax.nn.silu(y), *act)
+      return constrain(jax.nn.silu(y), *act)
     q = l2_normalize(branch(self.q_proj, self.q_conv))
     k = l2_normalize(branch(self.k_proj, self.k_conv))
     v = branch(self.v_proj, self.v_conv)
@@ -111,5 +112,5 @@ class KimiDeltaAttention(nnx.Module):
     o = seq_parallel.kda(q.astype(self.dtype), k.astype(self.dtype), v, g, beta, segment_ids_bt,
                          chunk_size=self.chunk_size, backend=self.backend)
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(self.g_proj(x_btd).astype(jnp.float32))
-    o = ax.constrain(o.astype(self.dtype), *act)
+    o = constrain(o.astype(self.dtype), *act)
     return self.o_proj(o)

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
+from k3train.parallel.rules import constrain
 
 Shape = Sequence[int]
 Axes = Sequence[str]
@@ -108,7 +109,7 @@ class GluMLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
-    h = ax.constrain(h, ax.BATCH, ax.SEQ, ax.MLP) if h.ndim == 3 else h
+    h = constrain(h, ax.BATCH, ax.SEQ, ax.MLP) if h.ndim == 3 else h
     return self.down_proj(h)
 
 

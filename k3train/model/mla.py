@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
+from k3train.parallel.rules import constrain
 from k3train.model import layers
 
 
@@ -72,7 +73,7 @@ class GatedMLA(nnx.Module):
 
   def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
     q_c, q_r, k_c, k_r, v = self.project_qkv(x_btd)
-    q_c = ax.constrain(q_c, ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
+    q_c = constrain(q_c, ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     f32 = jnp.float32
     logits = jnp.einsum("bthd,bshd->bhts", q_c, k_c, preferred_element_type=f32)
     logits = logits + jnp.einsum("bthd,bsd->bhts", q_r, k_r, preferred_element_type=f32)
@@ -85,5 +86,5 @@ class GatedMLA(nnx.Module):
     out = jnp.einsum("bhts,bshd->bthd", probs.astype(self.dtype), v, preferred_element_type=f32)
     if self.output_gate:
       out = out * jax.nn.sigmoid(self.g_proj(x_btd).astype(f32))
-    out = ax.constrain(out.astype(self.dtype), ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
+    out = constrain(out.astype(self.dtype), ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     return self.o_proj(out)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
 from k3train.model.layers import GluMLP, Linear, RMSNorm, normal_init, param, situ_glu
 from k3train.parallel import expert as expert_parallel
 from pallas_kernels import moe as moe_ops

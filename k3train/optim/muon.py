@@ -54,7 +54,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from optax.contrib import MuonDimensionNumbers
 
-from k3train.model import axes
+from k3train.parallel import axes
 from k3train.tree_paths import path_names
 
 GROUPS = ("muon_per_head", "muon_per_expert", "muon_matrix", "adamw")
@@ -71,7 +71,8 @@ WHOLE_MATRIX = frozenset({"q_a_proj", "kv_a_proj", "f_a_proj", "b_proj",
                           "gate_proj", "up_proj", "down_proj"})
 # RoutedExperts parameters [E, in, out].
 EXPERT_WEIGHTS = frozenset({"gate", "up", "down"})
-# AdamW leaves without weight decay (by leaf name).
+# Leaves never weight-decayed, by name (norm gains, gate biases / rates, conv kernels, AttnRes
+# queries); the AdamW-only optimizer uses the same list.
 ADAMW_NO_DECAY = frozenset({"scale", "A_log", "dt_bias", "q_conv", "k_conv", "v_conv",
                             "query", "norm_scale"})
 

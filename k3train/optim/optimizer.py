@@ -11,10 +11,9 @@ import ml_collections
 import optax
 
 from k3train.optim import schedules
+from k3train.optim.muon import ADAMW_NO_DECAY
 from k3train.tree_paths import path_names
 
-# Parameter names never weight-decayed: norm gains, gate biases/rates, conv kernels, AttnRes queries.
-NO_DECAY_NAMES = ("scale", "A_log", "dt_bias", "q_conv", "k_conv", "v_conv", "query", "norm_scale")
 
 
 def learning_rate_schedule(o: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
@@ -30,10 +29,10 @@ def learning_rate_schedule(o: ml_collections.ConfigDict, steps: int) -> optax.Sc
 
 
 def decay_mask(params):
-  """True for parameters that get weight decay: matrices other than NO_DECAY_NAMES."""
+  """True for parameters that get weight decay: matrices other than `muon.ADAMW_NO_DECAY`."""
   def keep(path, leaf):
     names = path_names(path)
-    return leaf.ndim >= 2 and not any(n in NO_DECAY_NAMES for n in names[-2:])
+    return leaf.ndim >= 2 and not any(n in ADAMW_NO_DECAY for n in names[-2:])
   return jax.tree_util.tree_map_with_path(keep, params)
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
 from k3train.parallel import rules as rules_lib
 from pallas_kernels import moe as moe_ops
 

@@ -1,6 +1,6 @@
 """Logical-axis rule tables (one per recipe) and the active (mesh, rules) layout.
 
-A rule table maps each logical axis name used by model code (`k3train/model/axes.py`) to a tuple
+A rule table maps each logical axis name used by model code (`k3train/parallel/axes.py`) to a tuple
 of mesh axes. A PartitionSpec is made dimension by dimension; a mesh axis already used by an
 earlier dimension of the same array is skipped, so one table serves parameters ([embed, heads]:
 embed→fsdp) and activations ([batch, seq, embed]: batch takes fsdp first, embed stays whole).
@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
 from k3train.parallel.mesh import MESH_AXES, MeshError, axis_size  # noqa: F401 (re-exported)
 
 Rules = Mapping[str, tuple[str, ...]]
@@ -143,8 +143,13 @@ def active() -> tuple[Mesh, Rules] | None:
   return layout
 
 
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-  """with_sharding_constraint through logical names under the active layout (no-op without one)."""
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+  """with_sharding_constraint through logical names under the active layout (no-op without one).
+
+  One name (or None) per dimension of x, e.g. `constrain(x_btd, ax.BATCH, ax.SEQ, ax.EMBED)`.
+  """
+  if len(names) != x.ndim:
+    raise ValueError(f"constrain: {len(names)} names {names} for an array of rank {x.ndim}")
   layout = active()
   if layout is None:
     return x

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
 from k3train.parallel import rules as rules_lib
 from pallas_kernels.kda import kda as kda_op
 

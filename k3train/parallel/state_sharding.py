@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
 from k3train.parallel.rules import Rules, spec_for
 from k3train.tree_paths import path_names
 

@@ -1,82 +1,25 @@
-"""Parameter count of a config, from `jax.eval_shape` (nothing is allocated).
+"""Parameter count of a config (nothing is allocated).
 
-  python -m k3train.tools.count_params --config=configs/k3_full.py
+  python -m k3train.tools.count_params --config=configs/k3_full.py [--config.model.moe.top_k=8]
 
 prints one JSON line: total_params, active_params (per token), and each component's share.
-Active = total − routed-expert parameters × (1 − top_k / num_experts).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 
-from flax import nnx
-
-
-def count(cfg) -> dict:
-  """Counts parameters by component for `cfg` (a full config with a `model` section)."""
-  from k3train.model.decoder import K3Model  # heavy import after flag parsing
-  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
-  params = nnx.state(model, nnx.Param)
-  by_component: dict[str, int] = {}
-  for path, leaf in nnx.to_flat_state(params):
-    n = math.prod(leaf.shape)
-    comp = _classify(model, path, leaf)
-    by_component[comp] = by_component.get(comp, 0) + n
-  total = sum(by_component.values())
-  m = cfg.model.moe
-  routed = by_component.get("routed_experts", 0)
-  active = total - routed * (1 - m.top_k / m.num_experts)
-  return {"total_params": int(total), "active_params": int(round(active)),
-          "components": {k: {"params": v, "share": round(v / total, 5)}
-                         for k, v in sorted(by_component.items(), key=lambda kv: -kv[1])}}
-
-
-def _classify(model, path, leaf) -> str:
-  """Component name of a parameter, from the module types along its path (outermost first)."""
-  from k3train.model import attnres, layers, moe
-  from k3train.model.kda import KimiDeltaAttention
-  from k3train.model.mla import GatedMLA
-  nodes = [model]
-  for key in path[:-1]:
-    parent = nodes[-1]
-    nodes.append(parent[key] if isinstance(parent, (list, nnx.List)) else getattr(parent, str(key)))
-  for i, node in enumerate(nodes):
-    if isinstance(node, KimiDeltaAttention):
-      return "kda"
-    if isinstance(node, GatedMLA):
-      return "mla"
-    if isinstance(node, attnres.AttnResMix):
-      return "attn_res"
-    if isinstance(node, moe.StableLatentMoE):
-      child = nodes[i + 1] if i + 1 < len(nodes) else None
-      if isinstance(child, moe.Router):
-        return "router"
-      if isinstance(child, layers.GluMLP):
-        return "shared_experts"
-      if "experts" in (getattr(leaf, "out_sharding", None) or ()):
-        return "routed_experts"
-      return "latent_projections"
-    if isinstance(node, layers.GluMLP):
-      return "dense_ffn"
-    if isinstance(node, layers.Embed):
-      return "embedding"
-  return "lm_head" if str(path[0]) == "lm_head" else "norms"  # pre-sublayer and final RMSNorm gains
+from k3train import cli
 
 
 def main(argv=None) -> int:
-  from absl import app, flags
-  from ml_collections import config_flags
-  from k3train import config as config_lib
-
-  flags_ = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "config file", flag_values=flags_, lock_config=True)
-  flags_(argv if argv is not None else sys.argv)
-  cfg = config_lib.validate(flags_.config)
-  result = count(cfg)
-  result["config"] = flags_["config"].config_filename
+  args = cli.parse(argv, "python -m k3train.tools.count_params")
+  if args.exit_code is not None:
+    return args.exit_code
+  from k3train.model import counting   # heavy import after flag parsing
+  result = counting.count(args.config)
+  result["config"] = args.flags["config"].config_filename
   print(json.dumps(result))
   return 0
 

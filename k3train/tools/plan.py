@@ -210,7 +210,7 @@ def leaf_layouts(state: AbstractState, rules) -> list[LeafLayout]:
   import jax
   import numpy as np
   from flax import nnx
-  from k3train.model import axes as axes_lib
+  from k3train.parallel import axes as axes_lib
   from k3train.parallel import rules as rules_lib
   from k3train.parallel import state_sharding
   from k3train.parallel.mesh import MESH_AXES
@@ -298,7 +298,7 @@ class Dims:
 
 
 def activation_dims(cfg, rules, mesh, seq_len: int, batch_per_device: int) -> Dims:
-  from k3train.model import axes as ax
+  from k3train.parallel import axes as ax
   from k3train.parallel import rules as rules_lib
   m = cfg.model
 

@@ -16,13 +16,13 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
+from k3train import config as config_lib
 from k3train.tree_paths import path_names
 
 # Config sections that must match between a checkpoint and the run that restores it, and the
-# keys inside them that may change between curriculum stages (the data iterator re-plans those
-# without losing its place in each source; see k3train/data/pipeline.py STAGE_KEYS).
+# keys inside them that may change between curriculum stages.
 MUST_MATCH = ("model", "data")
-MAY_CHANGE = ("data.weights", "data.seq_len", "data.num_workers", "data.num_threads")
+MAY_CHANGE = tuple(f"data.{key}" for key in config_lib.DATA_STAGE_KEYS)
 
 
 class CheckpointMismatchError(ValueError):

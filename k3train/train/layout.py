@@ -5,8 +5,11 @@ Everything the train loop (and the multi-device tests) needs to place a run on a
     layout = make_layout(cfg)                       # mesh and rule table from cfg.parallel
     model = build_sharded_model(cfg, layout)        # parameters created already sharded
     graphdef, state, shardings = init_sharded_state(model, optimizer, layout)
-    step = jit_train_step(graphdef, optimizer, cfg, layout, shardings)
+    step = layout.jit_step(step_fn, shardings)      # explicit shardings, state donated
     batch = layout.global_batch(host_batch)          # this process's rows → global arrays
+
+`k3train/train/builder.py` strings these together for a config; this module knows nothing of the
+optimizer's settings.
 
 Shapes that the mesh does not divide fail here, before anything is compiled, with a message
 naming the array, the dimension and the mesh axes.
@@ -25,11 +28,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3train.model.decoder import K3Model, build_model
+from k3train.model.decoder import K3Model, abstract_model, build_model
 from k3train.parallel import mesh as mesh_lib
 from k3train.parallel import rules as rules_lib
 from k3train.parallel import state_sharding
-from k3train.train.step import TrainState, make_train_step
+from k3train.train.step import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Layout:
   mesh: Mesh
   rules: rules_lib.Rules
   batch: NamedSharding           # every [B, T] batch array
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # parallel-op choices
 
   @property
   def replicated(self) -> NamedSharding:
@@ -46,6 +50,22 @@ class Layout:
     """This process's rows of the global batch → global arrays sharded by `self.batch`."""
     return {k: jax.make_array_from_process_local_data(self.batch, np.asarray(v))
             for k, v in host_batch.items()}
+
+  def activate(self):
+    """Context in which model code traces against this mesh and rule table."""
+    return rules_lib.activate(self.mesh, self.rules, **self.options)
+
+  def jit_step(self, step_fn, shardings):
+    """`step_fn(state, batch) -> (state, metrics)` jitted with explicit state / batch / metric
+    shardings, the state donated. The model is traced inside `activate()`, so its logical
+    constraints and the expert- and sequence-parallel ops see the mesh."""
+    def sharded_step(state, batch):
+      with self.activate():
+        return step_fn(state, batch)
+
+    batch_sh = {k: self.batch for k in state_sharding.BATCH_KEYS_2D}
+    return jax.jit(sharded_step, in_shardings=(shardings, batch_sh),
+                   out_shardings=(shardings, self.replicated), donate_argnums=0)
 
 
 def make_layout(cfg: ml_collections.ConfigDict, devices=None) -> Layout:
@@ -60,12 +80,12 @@ def make_layout(cfg: ml_collections.ConfigDict, devices=None) -> Layout:
                                   cfg.data.seq_len,
                                   what="micro-batch [train.global_batch_size / train.microbatches, "
                                        "data.seq_len]")
-  return Layout(mesh, rules, batch)
+  return Layout(mesh, rules, batch, {"expert_exchange": cfg.parallel.expert_exchange})
 
 
 def model_shardings(cfg: ml_collections.ConfigDict, layout: Layout) -> nnx.State:
   """Shardings of every model variable (from an abstract model: nothing is allocated)."""
-  abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(params=0)))
+  abstract = abstract_model(cfg.model)
   return state_sharding.nnx_state_shardings(nnx.state(abstract), layout.rules, layout.mesh)
 
 
@@ -89,28 +109,5 @@ def init_sharded_state(model: nnx.Module, optimizer: optax.GradientTransformatio
   return graphdef, state, shardings
 
 
-def jit_train_step(graphdef, optimizer, cfg: ml_collections.ConfigDict, layout: Layout,
-                   shardings: TrainState):
-  """The train step jitted with explicit state / batch / metric shardings; the state is donated.
-
-  The model is traced inside `rules.activate`, so its logical constraints and the expert- and
-  sequence-parallel ops see the mesh.
-  """
-  o = cfg.optim
-  step = make_train_step(graphdef, optimizer, loss_spike_factor=o.loss_spike_factor,
-                         loss_spike_ema=o.loss_spike_ema,
-                         qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
-                         mla_nope_dim=cfg.model.mla.qk_nope_head_dim,
-                         microbatches=cfg.train.microbatches)
-
-  def sharded_step(state, batch):
-    with rules_lib.activate(layout.mesh, layout.rules, expert_exchange=cfg.parallel.expert_exchange):
-      return step(state, batch)
-
-  batch_sh = {k: layout.batch for k in state_sharding.BATCH_KEYS_2D}
-  return jax.jit(sharded_step, in_shardings=(shardings, batch_sh),
-                 out_shardings=(shardings, layout.replicated), donate_argnums=0)
-
-
-__all__ = ["Layout", "build_sharded_model", "init_sharded_state", "jit_train_step", "make_layout",
+__all__ = ["Layout", "build_sharded_model", "init_sharded_state", "make_layout",
            "model_shardings"]

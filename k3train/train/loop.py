@@ -18,16 +18,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 
 from k3train import config as config_lib
 from k3train.data import pipeline
-from k3train.optim.optimizer import make_optimizer
 from k3train.parallel import mesh as mesh_lib
-from k3train.tools.count_params import count
+from k3train.train import builder
 from k3train.train import metrics as metrics_lib
 from k3train.train.checkpoint import Checkpointer
-from k3train.train import layout as layout_lib
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -127,14 +124,11 @@ def params_fingerprint(params) -> float:
                                      for x in jax.tree.leaves(p)))(params))
 
 
-def compile_train_step(graphdef, optimizer, cfg, layout, shardings):
-  """The step jitted with explicit shardings; the state argument is donated (updated in place)."""
-  return layout_lib.jit_train_step(graphdef, optimizer, cfg, layout, shardings)
-
-
 def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | None = None) -> RunResult:
-  """Trains to `cfg.train.steps` (or `stop_at_step`, to simulate an interruption)."""
-  config_lib.validate(cfg)
+  """Trains to `cfg.train.steps` (or `stop_at_step`, to simulate an interruption).
+
+  `cfg` must be validated (`k3train.config.validate`; `k3train.main` does it at start).
+  """
   os.makedirs(workdir, exist_ok=True)
   t = cfg.train
   process_count, process_index = jax.process_count(), jax.process_index()
@@ -142,27 +136,18 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     raise config_lib.ConfigError(
         f"train.global_batch_size={t.global_batch_size} must be divisible by the {process_count} processes")
 
-  counts = count(cfg)
-  flops_per_token = metrics_lib.train_flops_per_token(
-      cfg, counts["active_params"], counts["components"].get("embedding", {}).get("params", 0),
-      cfg.data.seq_len)
-  _log(f"model: {counts['total_params']:,} parameters, {counts['active_params']:,} active per token; "
+  size = builder.model_size(cfg)
+  flops_per_token = size.flops_per_token
+  _log(f"model: {size.total_params:,} parameters, {size.active_params:,} active per token; "
        f"{flops_per_token:.3g} training FLOPs per token")
-
-  layout = layout_lib.make_layout(cfg)
+  run = builder.build(cfg, log=_log)
+  layout, state, train_step = run.layout, run.state, run.step
   _log(f"mesh: {mesh_lib.describe(dict(layout.mesh.shape))} over {jax.device_count()} devices "
        f"({process_count} processes); rules: {cfg.parallel.rules}")
   if t.microbatches > 1:
     _log(f"batch: {t.global_batch_size} × {cfg.data.seq_len} tokens per step in {t.microbatches} "
          f"micro-batches of {t.global_batch_size // t.microbatches} rows (gradient accumulation)")
-  model = layout_lib.build_sharded_model(cfg, layout)
-  params_like = nnx.state(model, nnx.Param)
-  optimizer = make_optimizer(cfg, params_like)
-  if cfg.optim.optimizer == "muon":
-    from k3train.optim import muon
-    _log("optimizer partition:\n" + muon.format_partition(muon.partition_summary(params_like)))
-  graphdef, state, shardings = layout_lib.init_sharded_state(model, optimizer, layout)
-  del model
+  del run
   data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size // process_count,
                                      seed=t.seed, process_index=process_index, process_count=process_count)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg)
@@ -173,7 +158,6 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     _log(f"resumed from {ckpt.directory} at step {start}; parameter fingerprint "
          f"{params_fingerprint(state.params):.9e}")
 
-  train_step = compile_train_step(graphdef, optimizer, cfg, layout, shardings)
   end = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
   result = RunResult(start_step=start, end_step=start)
   metrics_path = os.path.join(workdir, "metrics.jsonl")

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from k3train.model import axes as ax
+from k3train.parallel import axes as ax
+from k3train.parallel.rules import constrain
 from k3train.model import moe
 from k3train.model.mla import MaxLogit
 from k3train.optim.qk_clip import qk_clip
@@ -114,7 +115,7 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1):
 
   def body(acc, xs):
     mb, weight = xs
-    mb = {k: ax.constrain(v, ax.BATCH, ax.SEQ) if v.ndim == 2 else v for k, v in mb.items()}
+    mb = {k: constrain(v, ax.BATCH, ax.SEQ) if v.ndim == 2 else v for k, v in mb.items()}
     (loss, (new_rest, _)), grads = grad_fn(graphdef, params, rest, mb)
     grads_acc, loss_acc = acc
     grads_acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), grads_acc, grads)

@@ -190,7 +190,7 @@ def write_caption_folder(root, n=12):
 
 
 def mm_cfg(root, **overrides):
-  from configs import k3_tiny
+  from tests.configs import k3_tiny
   cfg = k3_tiny.get_config().data
   cfg.sources = (f"image_caption:{root}", "python_stdlib")
   cfg.weights = (1.0, 1.0)
@@ -249,7 +249,7 @@ def test_mixture_weights_change_keeps_source_positions(tmp_path, tok):
   with open(b, "w") as f:
     for i in range(300):
       f.write(json.dumps({"text": f"other {i:04d} " + "zzz " * 20}) + "\n")
-  from configs import k3_tiny
+  from tests.configs import k3_tiny
   cfg = k3_tiny.get_config().data
   cfg.sources, cfg.weights = (f"jsonl:{a}", f"jsonl:{b}"), (3.0, 1.0)
   it = pipeline.make_iterator(cfg, batch_size=BATCH, seed=0)
@@ -288,7 +288,7 @@ def run_hosts(cfg, n, steps, init=None):
 def test_reshard_reads_every_document_exactly_once(tmp_path, n_old, n_new):
   path = str(tmp_path / "d.jsonl")
   write_jsonl(path, 40)           # 40 docs of 4..60 tokens: one epoch in a few batches
-  from configs import k3_tiny
+  from tests.configs import k3_tiny
   cfg = k3_tiny.get_config().data
   cfg.sources, cfg.weights, cfg.seq_len = (f"jsonl:{path}",), (1.0,), 32
   src = f"jsonl:{path}"

@@ -32,7 +32,7 @@ def packed_row(tmp_path_factory):
   with open(path, "w") as f:
     for i in range(60):
       f.write(json.dumps({"text": "w " * (3 + i % 9)}) + "\n")
-  from configs import k3_tiny
+  from tests.configs import k3_tiny
   cfg = k3_tiny.get_config().data
   cfg.sources, cfg.weights, cfg.seq_len = (f"jsonl:{path}",), (1.0,), SEQ_LEN
   it = pipeline.make_iterator(cfg, batch_size=2, seed=0)

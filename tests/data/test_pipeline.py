@@ -25,7 +25,7 @@ BATCH = 4
 
 
 def data_cfg(**overrides):
-  from configs import k3_tiny
+  from tests.configs import k3_tiny
   cfg = k3_tiny.get_config().data
   cfg.seq_len = SEQ_LEN
   cfg.update(overrides)

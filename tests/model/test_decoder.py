@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import k3_tiny
-from k3train.model import axes as ax
+from tests.configs import k3_tiny
+from k3train.parallel import axes as ax
 from k3train.model.decoder import K3Model, build_model
 from k3train.model.kda import KimiDeltaAttention, lower_bound_gate
 

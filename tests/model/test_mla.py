@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import k3_full
+from tests.configs import k3_full
 from k3train.model import mla as mla_lib
 
 D_MODEL = 16

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs import k3_tiny
+from tests.configs import k3_tiny
 from k3train.optim import muon
 from k3train.parallel import rules as rules_lib
 from k3train.train import layout as layout_lib

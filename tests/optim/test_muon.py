@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import k3_full, k3_tiny
+from tests.configs import k3_full, k3_tiny
 from k3train.model.decoder import K3Model
 from k3train.optim import muon
 from k3train.tree_paths import path_names

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import k3_tiny
+from tests.configs import k3_tiny
 from k3train.model import mla as mla_lib
 from k3train.model.decoder import K3Model
 from k3train.optim import qk_clip as qk

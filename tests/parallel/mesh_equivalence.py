@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs import k3_tiny
+from tests.configs import k3_tiny
 from k3train.parallel import rules as rules_lib
 from k3train.train import layout as layout_lib
 from k3train.train import step as step_lib

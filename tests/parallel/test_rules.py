@@ -16,8 +16,9 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from configs import k3_full, k3_tiny
-from k3train.model import axes as ax
+from tests.configs import k3_full, k3_tiny
+from k3train.parallel import axes as ax
+from k3train.parallel.rules import constrain
 from k3train.model.decoder import K3Model
 from k3train.parallel import mesh as mesh_lib
 from k3train.parallel import rules as rules_lib
@@ -103,4 +104,4 @@ def test_activation_spec_skips_mesh_axes_already_used():
 
 def test_constrain_is_a_no_op_without_a_layout():
   x = np.ones((2, 3, 4), np.float32)
-  assert ax.constrain(x, ax.BATCH, ax.SEQ, ax.EMBED) is x
+  assert constrain(x, ax.BATCH, ax.SEQ, ax.EMBED) is x

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from configs import k3_full
+from tests.configs import k3_full
 from k3train.tools import count_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from configs import k3_tiny
+from tests.configs import k3_tiny
 from k3train import config as config_lib
 from k3train.model import moe
 from k3train.model.decoder import build_model

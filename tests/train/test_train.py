@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from configs import k3_tiny
-from k3train.train import loop
+from tests.configs import k3_tiny
+from k3train.train import builder, loop
 from k3train.train.checkpoint import Checkpointer, CheckpointMismatchError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,7 +107,7 @@ def test_restore_refuses_a_different_model_config(uninterrupted, tmp_path):
 
 
 def test_non_finite_loss_stops_with_the_step_and_saves_nothing_from_it(tmp_path, monkeypatch):
-  real_compile = loop.compile_train_step
+  real_compile = builder.jit_train_step
   bad_step = 7
 
   def poisoned(*args):
@@ -119,7 +119,7 @@ def test_non_finite_loss_stops_with_the_step_and_saves_nothing_from_it(tmp_path,
       return new_state, metrics
     return wrapped
 
-  monkeypatch.setattr(loop, "compile_train_step", poisoned)
+  monkeypatch.setattr(builder, "jit_train_step", poisoned)
   with pytest.raises(loop.NonFiniteLossError, match=f"at step {bad_step}"):
     loop.train(make_config(), str(tmp_path))
   ckpt = Checkpointer(os.path.join(str(tmp_path), "checkpoints"), make_config())
@@ -176,7 +176,7 @@ def test_spike_guard_skips_only_spikes_and_keeps_its_mean():
 
 def test_checkpoint_config_check_allows_curriculum_stage_keys_only(tmp_path):
   import jax.numpy as jnp
-  from configs import k3_tiny
+  from tests.configs import k3_tiny
   cfg = k3_tiny.get_config()
   cfg.checkpoint.async_save = False
   ckpt = Checkpointer(str(tmp_path), cfg)

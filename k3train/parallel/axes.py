@@ -1,8 +1,9 @@
-"""Logical axis names used by model code, and the activation-constraint helper.
+"""Logical axis names: the vocabulary between model code and the mesh rule tables.
 
-Model modules name axes only by these logical names; `k3train/parallel` rule tables map them to
-mesh axes (`data`, `fsdp`, `expert`, `tensor`, `sequence`). Without an active rule table the
-constraint is a no-op, so model code runs unchanged on one device.
+Model modules name axes only by these logical names; the rule tables in `rules.py` map them to
+mesh axes (`data`, `fsdp`, `expert`, `tensor`, `sequence`), and `rules.constrain` applies them to
+activations (a no-op without an active layout, so model code runs unchanged on one device).
+This module imports nothing of k3train.
 """
 
 from __future__ import annotations
@@ -34,11 +35,3 @@ def names_of(var) -> tuple | None:
   """The logical axis names a model Variable was created with (its `out_sharding`), or None."""
   names = var.get_metadata().get("out_sharding")
   return tuple(names) if names else None
-
-
-def constrain(x: jax.Array, *names: str | None) -> jax.Array:
-  """Constrain an activation's sharding through logical axis names (no-op outside a mesh)."""
-  if len(names) != x.ndim:
-    raise ValueError(f"constrain: {len(names)} names {names} for an array of rank {x.ndim}")
-  from k3train.parallel import rules  # local import: parallel imports these names
-  return rules.constrain(x, names)

@@ -1,0 +1,106 @@
+"""The run builder: one place that turns a validated config into everything a run needs.
+
+    run = builder.build(cfg)              # layout, sharded model state, optimizer, jitted step
+    state, metrics = run.step(run.state, run.layout.global_batch(host_batch))
+
+    shapes = builder.abstract_state(cfg)   # parameter / variable / optimizer-state shapes only
+
+The train loop, the tools (parameter count, memory plan) and the benchmarks all build through
+here, so they measure and plan the step that training runs. The config must already be
+validated (`k3train.config.validate`, done once by each entry point).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import ml_collections
+import optax
+from flax import nnx
+
+from k3train.model import counting
+from k3train.model.decoder import abstract_model
+from k3train.optim.optimizer import make_optimizer
+from k3train.train import layout as layout_lib
+from k3train.train import metrics as metrics_lib
+from k3train.train.step import TrainState, make_train_step
+
+
+@dataclasses.dataclass
+class ModelSize:
+  """Parameter counts and the training FLOPs per token at the config's sequence length."""
+  total_params: int
+  active_params: int
+  components: dict
+  flops_per_token: float
+
+
+def model_size(cfg: ml_collections.ConfigDict) -> ModelSize:
+  counts = counting.count(cfg)
+  embedding = counts["components"].get("embedding", {}).get("params", 0)
+  flops = metrics_lib.train_flops_per_token(cfg, counts["active_params"], embedding, cfg.data.seq_len)
+  return ModelSize(counts["total_params"], counts["active_params"], counts["components"], flops)
+
+
+@dataclasses.dataclass
+class AbstractState:
+  """Shapes of parameters, other model variables and optimizer state (no arrays)."""
+  params: Any          # nnx.State of ShapeDtypeStructs
+  rest: Any            # nnx.State (router bias, QB, loads, max logits)
+  opt: Any             # optax state pytree of ShapeDtypeStructs
+
+
+def abstract_state(cfg: ml_collections.ConfigDict) -> AbstractState:
+  """The run's state as shapes: the real model and optimizer under `eval_shape`."""
+  _, params, rest = nnx.split(abstract_model(cfg.model), nnx.Param, ...)
+  optimizer = make_optimizer(cfg, params)
+  return AbstractState(params, rest, jax.eval_shape(optimizer.init, params))
+
+
+def train_step_fn(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.GradientTransformation):
+  """The un-jitted train step with the config's optimizer-side settings."""
+  o = cfg.optim
+  return make_train_step(graphdef, optimizer, loss_spike_factor=o.loss_spike_factor,
+                         loss_spike_ema=o.loss_spike_ema,
+                         qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
+                         mla_nope_dim=cfg.model.mla.qk_nope_head_dim,
+                         microbatches=cfg.train.microbatches)
+
+
+def jit_train_step(cfg, graphdef, optimizer, layout: layout_lib.Layout, shardings: TrainState):
+  """The train step jitted with explicit shardings on `layout` (the state is donated)."""
+  return layout.jit_step(train_step_fn(cfg, graphdef, optimizer), shardings)
+
+
+@dataclasses.dataclass
+class Run:
+  cfg: ml_collections.ConfigDict
+  layout: layout_lib.Layout
+  optimizer: optax.GradientTransformation
+  graphdef: Any
+  state: TrainState
+  shardings: TrainState
+  step: Callable            # jitted (state, batch) -> (state, metrics); donates state
+
+
+def build(cfg: ml_collections.ConfigDict, *, devices=None, log: Callable[[str], None] | None = None) -> Run:
+  """Mesh and rules from cfg.parallel, the model initialised already sharded, the optimizer, its
+  sharded state and the jitted step. Shapes the mesh does not divide fail here, before anything
+  is compiled, naming the array, the dimension and the mesh axes."""
+  layout = layout_lib.make_layout(cfg, devices)
+  model = layout_lib.build_sharded_model(cfg, layout)
+  params_like = nnx.state(model, nnx.Param)
+  optimizer = make_optimizer(cfg, params_like)
+  if log is not None and cfg.optim.optimizer == "muon":
+    from k3train.optim import muon
+    log("optimizer partition:\n" + muon.format_partition(muon.partition_summary(params_like)))
+  graphdef, state, shardings = layout_lib.init_sharded_state(model, optimizer, layout)
+  del model
+  step = jit_train_step(cfg, graphdef, optimizer, layout, shardings)
+  return Run(cfg, layout, optimizer, graphdef, state, shardings, step)
+
+
+__all__ = ["AbstractState", "ModelSize", "Run", "abstract_state", "build", "jit_train_step",
+           "model_size", "train_step_fn"]
