@@ -25,7 +25,7 @@ from k3train import config as config_lib  # noqa: E402
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from k3train.data import pipeline  # noqa: E402
-from k3train.tools.count_params import count  # noqa: E402
+from k3train.model.counting import count  # noqa: E402
 from k3train.train import metrics as metrics_lib  # noqa: E402
 
 MFU = 0.40

@@ -1,35 +1,23 @@
 """KDA chunk kernels on one GPU: correctness vs the reference, then timings vs fla's chunk_kda.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_kernel.py [--shapes=2x8192x16,1x8192x96]
-      [--variants=fused,split,split-bv64] [--check-variants=fused,split] [--skip=jax,fla_check]
+      [--variants=fused,split] [--check-variants=fused,split] [--skip=jax,fla_check]
 
-pallas_gpu variants (pallas_gpu.py): "fused" (sequential kernels compute everything per chunk,
-the default) or "split" (sequential kernels only carry the state; output / local backward terms in
-chunk-parallel kernels), with options joined by "-" (pallas_gpu.Settings fields in brackets):
-  bv<N> (V-block of the sequential kernels [bv]), w<N> (their num_warps [state_warps]),
-  nohoist (split backward keeps Qgᵀ dO in the loop [hoist_qdo]),
-  columns / levels / strips (the forward intra kernel [intra_fwd]),
-  kblocks / bstrips / bchunk (the K-block-, strip- or chunk-parallel intra backward
-  [intra_bwd]),
-  cw<N> / sw<N> / ww<N> / xw<N> (num_warps of the columns / strips score / strips WY / split
-  WY inverse kernel [columns_warps, strip_warps, wy_warps, inverse_warps]), sbk<N> (K-block of
-  the strips score kernel [strip_bk]), ibk<N> / iw<N> (K-block and num_warps of the levels,
-  WY and backward kernels [intra_bk, intra_warps]), st<N> / stst<N> / sst<N> (num_stages of
-  the intra kernels / of the strips score kernel / of the sequential state kernels
-  [intra_stages, strip_stages, state_stages]),
-  unroll (kblocks backward with the levels written out [unroll_bwd]),
-  tf32 (TF32 dots in the block-doubling WY inverse instead of bf16×3 [wy_dots]),
-  wysplit / nowysplit (the WY step as inverse, W and U kernels, or one kernel [wy_split]),
+pallas_gpu variants (pallas_gpu.py): "fused" (the defaults: the forward state pass fused or split
+by grid size) or "split" (the forward state pass split whatever the grid [split_fwd]), with
+options joined by "-" (pallas_gpu.Settings fields in brackets):
+  bv<N> (V-block of the fused state passes [bv]), w<N> (num_warps of the sequential state
+  kernels [state_warps]), sst<N> / wst<N> (their num_stages at V-blocks <= 32 / above
+  [state_stages, wide_stages]),
   sfwd / nosfwd (forward state pass split / fused whatever the grid [split_fwd]; default: by
   grid size), sbv<N> (V-block of that split forward [split_fwd_bv]),
-  cumsum / nocumsum (the in-chunk cumsum of g as a Pallas kernel or XLA's [cumsum_kernel]),
-  nofusewu (split WY step with separate W and U kernels [fuse_wu]), wubk<N> / wuw<N> (their
-  column block and num_warps [wu_bk, wu_warps]), sblocks / schunk (strip score kernel's earlier
-  pairs block by block or as one masked chunk [strip_earlier]), wst<N> (num_stages of the state
-  kernels at V-blocks > 32 [wide_stages]), nogate (W/U gate q and k themselves instead of the
-  score kernel [gate_in_scores]),
   wbwd / nowbwd (backward state pass at wbv<N> / wbw<N> [wide_bwd_bv, wide_bwd_warps] or at
-  bv / w whatever the grid [wide_bwd]; default: by grid size).
+  bv / w whatever the grid [wide_bwd]; default: by grid size),
+  sbk<N> / sw<N> / stst<N> (K-block, num_warps and num_stages of the strip score kernel
+  [strip_bk, strip_warps, strip_stages]), xw<N> (num_warps of the WY inverse kernel
+  [inverse_warps]), wubk<N> (column block of the W/U kernels [wu_bk]), ibk<N> / iw<N> / st<N>
+  (K-block of the intra-chunk backward kernels, num_warps of those and of W/U, num_stages of the
+  inverse, W/U and backward kernels [intra_bk, intra_warps, intra_stages]).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
 1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
@@ -87,22 +75,13 @@ def _inputs(rng, b, t, h, dtype):
 
 
 # Variant options joined by "-": <prefix><N> integer settings and named flags (pallas_gpu.Settings).
-_INT_OPTIONS = {"bv": "bv", "w": "state_warps", "ibk": "intra_bk", "iw": "intra_warps",
-                "cw": "columns_warps", "sw": "strip_warps", "ww": "wy_warps", "xw": "inverse_warps",
-                "sbk": "strip_bk", "st": "intra_stages", "sbv": "split_fwd_bv",
-                "sst": "state_stages", "stst": "strip_stages", "wbv": "wide_bwd_bv",
-                "wbw": "wide_bwd_warps", "wubk": "wu_bk", "wuw": "wu_warps",
-                "wst": "wide_stages"}
-_FLAG_OPTIONS = {"nohoist": ("hoist_qdo", False), "tf32": ("wy_dots", "tf32"),
-                 "kblocks": ("intra_bwd", "kblocks"), "bstrips": ("intra_bwd", "strips"),
-                 "bchunk": ("intra_bwd", "chunk"), "unroll": ("unroll_bwd", True),
-                 "wysplit": ("wy_split", True), "nowysplit": ("wy_split", False),
-                 "sfwd": ("split_fwd", True), "nosfwd": ("split_fwd", False),
-                 "cumsum": ("cumsum_kernel", True), "nocumsum": ("cumsum_kernel", False),
-                 "nofusewu": ("fuse_wu", False), "wbwd": ("wide_bwd", True),
-                 "nowbwd": ("wide_bwd", False), "sblocks": ("strip_earlier", "blocks"),
-                 "schunk": ("strip_earlier", "chunk"), "nogate": ("gate_in_scores", False),
-                 **{name: ("intra_fwd", name) for name in pallas_gpu.INTRA_FWDS}}
+_INT_OPTIONS = {"bv": "bv", "w": "state_warps", "sst": "state_stages", "wst": "wide_stages",
+                "sbv": "split_fwd_bv", "wbv": "wide_bwd_bv", "wbw": "wide_bwd_warps",
+                "sbk": "strip_bk", "sw": "strip_warps", "stst": "strip_stages",
+                "xw": "inverse_warps", "wubk": "wu_bk", "ibk": "intra_bk", "iw": "intra_warps",
+                "st": "intra_stages"}
+_FLAG_OPTIONS = {"sfwd": ("split_fwd", True), "nosfwd": ("split_fwd", False),
+                 "wbwd": ("wide_bwd", True), "nowbwd": ("wide_bwd", False)}
 
 
 def parse_options(name, opts):
@@ -128,7 +107,10 @@ def parse_variant(name):
   head, *opts = name.split("-")
   if head not in ("fused", "split"):
     raise ValueError(f"variant {name!r}: must start with 'fused' or 'split'")
-  return dict(split=head == "split", **parse_options(name, opts))
+  kw = parse_options(name, opts)
+  if head == "split":
+    kw["split_fwd"] = True
+  return kw
 
 
 def _err(a, b):
@@ -329,7 +311,7 @@ def _table(shapes, names, results):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default="2x8192x16,1x8192x96")
-  ap.add_argument("--variants", default="fused,split,split-bv64",
+  ap.add_argument("--variants", default="fused,split",
                   help="pallas_gpu variants to time (see the module docstring)")
   ap.add_argument("--check-variants", default="fused,split",
                   help="pallas_gpu variants to check against the reference")

@@ -3,9 +3,10 @@
   XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_profile.py [--shapes=2x8192x16]
 
 For each B×T×H (K = V = 128, bf16, chunk 64) times every launcher of pallas_gpu.py on its own
-(intra, the state passes in both variants, output, local backward terms, chunk_bwd, intra_bwd)
-and the XLA glue (chunk cumsum, dg reverse cumsum), each as the median of 5 repeats of a 10-call
-loop after warm-up. The per-kernel sum against the whole op shows what the glue costs.
+(intra, the state passes for each --variants — with a split forward also its sequential and
+output parts —, chunk_bwd, intra_bwd) and the XLA glue (chunk cumsum, state decay), each as the
+median of 5 repeats of a 10-call loop after warm-up. The per-kernel sum against the whole op shows
+what the glue costs.
 """
 
 from __future__ import annotations
@@ -66,21 +67,18 @@ def profile(b, t, h, lines, variants, intra_variants, interpret=False):
     with pg.configured(**opts):
       rec(f"state_fwd[{name}] (save)",
           lambda *a: pg.state_fwd(*a, save=True, **kw), qg, kt, w, u, aqk, d, s0)
-      if opts.get("split"):
+      if opts.get("split_fwd"):
         rec(f"  split seq part [{name}]",
             lambda kt, w, u, d, s0: pg._state_fwd_seq(
-                kt, w, u, d, s0, chunk=C, interpret=interpret, bv=pg.block_v(vv),
-                warps=pg.SETTINGS.state_warps),
+                kt, w, u, d, s0, chunk=C, interpret=interpret,
+                bv=pg.block_v(vv, pg.SETTINGS.split_fwd_bv), warps=pg.SETTINGS.state_warps),
             kt, w, u, d, s0)
       o, sf, hs, delta = jax.jit(lambda *a: pg.state_fwd(*a, save=True, **kw))(
           qg, kt, w, u, aqk, d, s0)
       saved = dict(hs=hs, delta=delta)
-      if opts.get("split"):
+      if opts.get("split_fwd"):
         rec("  split output part", lambda *a: pg.output(*a, **kw), qg, hs, aqk, delta)
       rec(f"state_bwd[{name}]", lambda *a: pg.state_bwd(*a, **kw), do, dsf, qg, kt, w, aqk, d)
-      if opts.get("split"):
-        rec("  split bwd_local part",
-            lambda *a: pg.bwd_local(*a, hoist_qdo=pg.SETTINGS.hoist_qdo, **kw), aqk, qg, do)
   hs, delta = saved["hs"], saved["delta"]
   ds0, dhs, ddelta = jax.jit(lambda *a: pg.state_bwd(*a, **kw))(do, dsf, qg, kt, w, aqk, d)
   rec("chunk_bwd", lambda *a: pg.chunk_bwd(*a, **kw), hs, dhs, delta, ddelta, do)
@@ -99,7 +97,7 @@ def main():
   ap.add_argument("--variants", default="fused,split", help="kda_kernel.py variant names")
   ap.add_argument("--intra-variants", default="default",
                   help="comma list of 'default' or '-'-joined options of kda_kernel.py's variants "
-                       "(e.g. strips-sw4-ibk32-iw8-bstrips)")
+                       "(e.g. sw4-ibk16-iw8)")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
   a = ap.parse_args()
   variants = [(v, parse_variant(v)) for v in a.variants.split(",")]

@@ -1,7 +1,7 @@
 """Per-kernel GPU times of the whole pallas_gpu KDA forward + backward, from one profiler trace.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_trace.py [--shapes=2x8192x16]
-      [--variants=fused,fused-strips-sw2-bstrips] [--calls=5] [--fla]
+      [--variants=fused,fused-sw4] [--calls=5] [--fla]
 
 For each shape and variant (kda_kernel.py's spelling) jits forward+backward (Σo and its
 gradients wrt q, k, v, g, beta; bf16, K = V = 128, chunk 64; all variants of a shape compiled at

@@ -2,7 +2,7 @@
 
   pip install --target /tmp/tri triton==3.6.0          # once; not a k3train dependency
   JAX_PLATFORMS=cpu python benchmarks/kda_triton_stats.py [--dtype=bf16|fp32] \
-      [--set intra_fwd=levels --set intra_warps=8 ...] [--triton=/tmp/tri]
+      [--set strip_warps=4 --set intra_warps=8 ...] [--triton=/tmp/tri]
 
 Lowers the KDA forward + backward (B1 T256 H2, K = V = 128, chunk 64) for CUDA on the CPU, keeps
 the Triton IR of every pallas_call, compiles each with the `triton` package for sm_90 at the
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
 
 from pallas_kernels.kda import pallas_gpu  # noqa: E402
-from pallas_kernels.kda.pallas_op import kda_pallas  # noqa: E402
+from pallas_kernels.kda.vjp import kda_pallas  # noqa: E402
 
 SASS_COUNTS = dict(sass=r"/\*[0-9a-f]{4,}\*/", mma=r"HMMA|HGMMA", bar=r"BAR", sts=r"STS",
                    lds=r"LDS", mufu=r"MUFU", ldl=r"LDL", stl=r"STL", ldg=r"LDG", stg=r"STG")

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax                                    # noqa: E402
 import jax.numpy as jnp                       # noqa: E402
 
-from pallas_kernels.moe import mgpu           # noqa: E402
+from pallas_kernels.moe import pallas_gpu     # noqa: E402
 from pallas_kernels.moe.pallas_gpu import gmm_pallas_gpu   # noqa: E402
 
 T_START = time.time()
@@ -125,7 +125,7 @@ def main():
     tokamax = None
     log("tokamax import failed:", repr(e)[:300])
 
-  cfg = mgpu.MgpuConfig()
+  cfg = pallas_gpu.MgpuConfig()
   rows = []
   if args.part != "numerics":
     return run_case(args, tokamax, int(args.part))
@@ -180,9 +180,9 @@ def run_case(args, tokamax, case):
   m = 32768
   rows = []
   cases = [CASES[case]]
-  fwd_cfgs = {"m8": mgpu.MgpuConfig(),
-              "m16": mgpu.MgpuConfig(grid_width=16),
-              "n4": mgpu.MgpuConfig(grid_minor=1, grid_width=4)}
+  fwd_cfgs = {"m8": pallas_gpu.MgpuConfig(),
+              "m16": pallas_gpu.MgpuConfig(grid_width=16),
+              "n4": pallas_gpu.MgpuConfig(grid_minor=1, grid_width=4)}
   for g, k, n, what in cases:
     if time.time() - T_START > args.budget_s:
       log("budget reached; skipping", g, k, n)
@@ -213,16 +213,17 @@ def run_case(args, tokamax, case):
     run("dense", lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype),
         lhs, w_dense)
     for name, c in fwd_cfgs.items():
-      run(f"ours_fwd[{name}]", lambda a, b, c=c: mgpu.gmm_mgpu(a, b, gs, config=c), lhs, rhs)
+      run(f"ours_fwd[{name}]", lambda a, b, c=c: pallas_gpu.gmm_mgpu(a, b, gs, config=c), lhs, rhs)
     fwd_best = max(fwd_cfgs, key=lambda nm: res.get(f"ours_fwd[{nm}]", 0))
     res["ours_fwd"] = res.get(f"ours_fwd[{fwd_best}]", float("nan"))
     bcfg = fwd_cfgs[fwd_best]
-    run("ours_dlhs", lambda c, b: mgpu.gmm_mgpu(c, b, gs, transpose_rhs=True, config=bcfg), ct, rhs)
-    run("ours_drhs", lambda a, c: mgpu.tgmm_mgpu(a, c, gs, config=bcfg), lhs, ct)
+    run("ours_dlhs", lambda c, b: pallas_gpu.gmm_mgpu(c, b, gs, transpose_rhs=True, config=bcfg),
+        ct, rhs)
+    run("ours_drhs", lambda a, c: pallas_gpu.tgmm_mgpu(a, c, gs, config=bcfg), lhs, ct)
     run("ours_bwd", bwd_of(lambda a, b: gmm_pallas_gpu(a, b, gs, config=bcfg)), lhs, rhs, ct,
         flop=2 * flops)
     try:   # numerical spot check at the benchmark shape (forward)
-      o = jax.jit(lambda a, b: mgpu.gmm_mgpu(a, b, gs, config=bcfg))(lhs, rhs)
+      o = jax.jit(lambda a, b: pallas_gpu.gmm_mgpu(a, b, gs, config=bcfg))(lhs, rhs)
       r = jax.jit(lambda a, b: ragged_dot(a, b, gs))(lhs, rhs)
       res["fwd_rel_err"] = rel(o, r)
       log(f"G={g} K={k} N={n} fwd rel err vs ragged_dot: {res['fwd_rel_err']:.2e}")

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3train import config as config_lib  # noqa: E402
 from k3train.model.decoder import K3Model, build_model  # noqa: E402
 from k3train.optim.optimizer import make_optimizer  # noqa: E402
-from k3train.tools.count_params import count  # noqa: E402
+from k3train.model.counting import count  # noqa: E402
 from k3train.train import metrics as metrics_lib  # noqa: E402
 from k3train.train.step import init_state, loss_and_grads, make_train_step  # noqa: E402
 

@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 
 from k3train import defaults
+from pallas_kernels import attention as attention_op
 from pallas_kernels import kda as kda_op
 from pallas_kernels import moe as moe_ops
 
@@ -33,6 +34,7 @@ PARALLEL_RULES = ("default", "long_context", "full")   # k3train/parallel/rules.
 EXPERT_EXCHANGES = ("auto", "all_to_all", "ragged")
 KDA_BACKENDS = kda_op.BACKENDS
 MOE_BACKENDS = moe_ops.BACKENDS
+ATTENTION_BACKENDS = attention_op.BACKENDS
 # `data` keys that may change between curriculum stages (and so between a checkpoint and the run
 # restoring it): the data iterator re-plans them without losing its place in any source.
 DATA_STAGE_KEYS = ("weights", "seq_len", "num_workers", "num_threads")
@@ -143,6 +145,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for key in ("num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
     _require(a[key] > 0, f"model.mla.{key}", f"must be positive, got {a[key]}")
   _require(a.qk_rope_head_dim >= 0, "model.mla.qk_rope_head_dim", "must be >= 0")
+  _require(a.backend in ATTENTION_BACKENDS, "model.mla.backend",
+           f"must be one of {ATTENTION_BACKENDS}, got {a.backend!r}")
 
   e = m.moe
   _require(e.num_experts > 0, "model.moe.num_experts", f"must be positive, got {e.num_experts}")

@@ -45,6 +45,7 @@ def k3_full() -> ml_collections.ConfigDict:
   a.v_head_dim = 128
   a.latent_norm_eps = 1e-6
   a.output_gate = True
+  a.backend = "auto"              # see pallas_kernels.attention: reference | xla | pallas_gpu | pallas_tpu | auto
 
   e = m.moe = ml_collections.ConfigDict()
   e.num_experts = 896
@@ -74,7 +75,7 @@ def k3_full() -> ml_collections.ConfigDict:
   d.num_workers = 0               # worker processes per source (grain mp_prefetch); 0 = in-process
   d.num_threads = 1               # reader threads per source (grain ReadOptions)
 
-  v = d.vision = ml_collections.ConfigDict()   # MoonViT-V2 input (k3-math.md §6)
+  v = d.vision = ml_collections.ConfigDict()   # MoonViT-V2 input (docs/maths.md §6)
   v.enabled = False               # emit vision_* batch keys; media segments are skipped when off
   v.max_patches = 16384           # 14-px patches per image (h·w), after resizing
   v.max_side = 3584               # px, after resizing (sides are multiples of 28)

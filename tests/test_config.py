@@ -1,4 +1,4 @@
-"""Config schema, validation errors and the K3 layer schedule (k3-math §0.2, §10)."""
+"""Config schema, validation errors and the K3 layer schedule (docs/maths.md §0.2, §10)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_shipped_configs_validate(make):
 
 
 def test_k3_full_numbers_match_the_released_model():
-  """k3-math §0.2, field by field."""
+  """docs/maths.md §0.2, field by field."""
   m = full().model
   assert m.vocab_size == 163_840
   assert m.d_model == 7168
@@ -230,7 +230,7 @@ def test_h200_proxy_validates_and_fits_one_h200():
   """k3_h200 keeps K3's per-head shapes and its fp32 weights, AdamW moments and gradients
   (16 bytes per parameter) leave at least 40 GB of a 141 GB H200 for activations."""
   from tests.configs import k3_h200
-  from k3train.tools.count_params import count
+  from k3train.model.counting import count
   cfg = config_lib.validate(k3_h200.get_config())
   m = cfg.model
   assert m.kda.head_dim == 128 and m.mla.qk_nope_head_dim == 128 and m.mla.v_head_dim == 128

@@ -1,4 +1,4 @@
-"""Image and video preprocessing for the MoonViT-V2 vision tower (k3-math.md §6).
+"""Image and video preprocessing for the MoonViT-V2 vision tower (docs/maths.md §6).
 
 Images: decoded with Pillow, converted to RGB, resized (bicubic) to "native" resolution: the
 original size where it fits, otherwise scaled down just enough that (a) the longer side is at

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (k3-math §3): each sublayer input is a softmax mix over block sums.
+"""Block Attention Residuals (docs/maths.md §3): each sublayer input is a softmax mix over block sums.
 
 Sources live in a fixed-size buffer `[N_max, B, T, d]` with a count of valid slots so that the
 scanned decoder carries a static shape; unused slots get zero probability.

@@ -1,9 +1,9 @@
 """The K3 decoder: layer schedule, AttnRes wiring, scanned super-blocks, final norm and untied head.
 
-Layout (k3-math §10, DESIGN.md principle 2): an unscanned prefix (the dense first layer up to the
+Layout (docs/maths.md §10, docs/design.md principle 2): an unscanned prefix (the dense first layer up to the
 first MLA layer), `lax.scan` over identical super-blocks [KDA, KDA, KDA, MLA] (each with MoE),
 and an unscanned suffix (K3: the final extra MLA layer). Each sublayer input is an AttnRes mix
-over completed block sums and the running partial sum (k3-math §3.2).
+over completed block sums and the running partial sum (docs/maths.md §3.2).
 """
 
 from __future__ import annotations

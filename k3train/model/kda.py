@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (k3-math §1): projections, short conv, gates, delta-rule op, gated output norm.
+"""Kimi Delta Attention layer (docs/maths.md §1): projections, short conv, gates, delta-rule op, gated output norm.
 
 The recurrence itself lives in `pallas_kernels.kda.kda` (reference / chunked JAX / Pallas backends);
 this module computes its inputs and post-processes its output.
@@ -28,7 +28,7 @@ def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
 
 
 def lower_bound_gate(z: jax.Array, a_log: jax.Array, lower_bound: float) -> jax.Array:
-  """g = lb · σ(exp(A_log) · z) ∈ (lb, 0): K3's lower-bounded log-decay (k3-math §1.2 step 5), fp32.
+  """g = lb · σ(exp(A_log) · z) ∈ (lb, 0): K3's lower-bounded log-decay (docs/maths.md §1.2 step 5), fp32.
 
   z: [..., H, K]; a_log: [H].
   """

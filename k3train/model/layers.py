@@ -82,13 +82,13 @@ class RMSNorm(nnx.Module):
 
 
 def situ(g: jax.Array, beta: float) -> jax.Array:
-  """SiTU_β(g) = β·tanh(g/β)·σ(g) (k3-math §5.4), fp32."""
+  """SiTU_β(g) = β·tanh(g/β)·σ(g) (docs/maths.md §5.4), fp32."""
   g = g.astype(jnp.float32)
   return beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g)
 
 
 def situ_glu(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None) -> jax.Array:
-  """SiTU-GLU(g, u) = SiTU_β1(g) · β2·tanh(u/β2); bounded by β1·β2 (k3-math §5.4). Returns g's dtype."""
+  """SiTU-GLU(g, u) = SiTU_β1(g) · β2·tanh(u/β2); bounded by β1·β2 (docs/maths.md §5.4). Returns g's dtype."""
   u32 = u.astype(jnp.float32)
   up = u32 if linear_beta is None else linear_beta * jnp.tanh(u32 / linear_beta)
   return (situ(g, beta) * up).astype(g.dtype)

@@ -1,4 +1,4 @@
-"""Gated NoPE multi-head latent attention (k3-math §2), training / prefill path.
+"""Gated NoPE multi-head latent attention (docs/maths.md §2), training / prefill path.
 
 No rotary embedding anywhere: the 64-dim "rope" slot of q and the shared key k^R are used
 unrotated, and the softmax scale counts them (1/sqrt(d_nope + d_rope)). A sigmoid gate on the
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from k3train.parallel import attention as parallel_attention
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
 from k3train.model import layers
@@ -19,15 +20,6 @@ from k3train.model import layers
 
 class MaxLogit(nnx.Variable):
   """Per-head maximum pre-softmax logit of the last forward pass [H], for QK-Clip and metrics."""
-
-
-def attention_mask(segment_ids_bt: jax.Array | None, t: int) -> jax.Array:
-  """[B or 1, T, T] boolean: causal and within the same document."""
-  causal = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
-  if segment_ids_bt is None:
-    return causal
-  same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-  return causal & same
 
 
 def softmax_scale(cfg: ml_collections.ConfigDict) -> float:
@@ -45,6 +37,7 @@ class GatedMLA(nnx.Module):
     self.kv_lora_rank = cfg.kv_lora_rank
     self.scale = softmax_scale(cfg)
     self.output_gate = cfg.output_gate
+    self.backend = cfg.backend
     self.dtype = dtype
     kw = dict(std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.q_a_proj = layers.Linear((d_model,), (cfg.q_lora_rank,), (ax.EMBED, ax.Q_LORA), **kw)
@@ -73,17 +66,16 @@ class GatedMLA(nnx.Module):
 
   def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
     q_c, q_r, k_c, k_r, v = self.project_qkv(x_btd)
-    q_c = constrain(q_c, ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
+    # One 192-wide q·k per head: [q_c, q_r]·[k_c, k_r] = q_c·k_c + q_r·k_r (k_r shared by heads).
+    q = jnp.concatenate([q_c, q_r], axis=-1)
+    k = jnp.concatenate([k_c, jnp.broadcast_to(k_r[:, :, None, :], (*k_c.shape[:3], self.rope))],
+                        axis=-1)
+    names = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
+    q, k, v = (constrain(t.astype(self.dtype), *names) for t in (q, k, v))
+    out, max_logit_bh = parallel_attention.attention(q, k, v, segment_ids_bt, scale=self.scale,
+                                                     backend=self.backend)
+    self.max_logit[...] = jax.lax.stop_gradient(jnp.max(max_logit_bh, axis=0))
     f32 = jnp.float32
-    logits = jnp.einsum("bthd,bshd->bhts", q_c, k_c, preferred_element_type=f32)
-    logits = logits + jnp.einsum("bthd,bsd->bhts", q_r, k_r, preferred_element_type=f32)
-    logits = logits * self.scale                                                       # [B, H, T, S]
-    mask = attention_mask(segment_ids_bt, x_btd.shape[1])[:, None]                     # [B, 1, T, S]
-    self.max_logit[...] = jax.lax.stop_gradient(
-        jnp.max(jnp.where(mask, logits, -jnp.inf), axis=(0, 2, 3)))
-    logits = jnp.where(mask, logits, jnp.finfo(f32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhts,bshd->bthd", probs.astype(self.dtype), v, preferred_element_type=f32)
     if self.output_gate:
       out = out * jax.nn.sigmoid(self.g_proj(x_btd).astype(f32))
     out = constrain(out.astype(self.dtype), ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)

@@ -1,6 +1,6 @@
 """K3 Stable LatentMoE: sigmoid router with a Quantile-Balancing bias, latent routed experts.
 
-    s, idx, w = Router(x)                        full-width x, fp32 (k3-math §5.1)
+    s, idx, w = Router(x)                        full-width x, fp32 (docs/maths.md §5.1)
     x_ℓ       = x W_down                         d → ℓ before dispatch (§5.5)
     r         = Σ_{i∈idx} w_i E_i(x_ℓ)           SiTU-GLU experts in width ℓ, sort + gmm, dropless
     y         = RMSNorm(r) W_up + Shared(x)      "stable": norm before the up-projection
@@ -64,7 +64,7 @@ def _expert_vector(kind: type[nnx.Variable], num_experts: int) -> nnx.Variable:
 
 def route(scores_te: jax.Array, bias_e: jax.Array, top_k: int, *, renormalize: bool,
           routed_scaling_factor: float) -> tuple[jax.Array, jax.Array]:
-  """Top-k on biased scores, weights from the unbiased scores (k3-math §5.1).
+  """Top-k on biased scores, weights from the unbiased scores (docs/maths.md §5.1).
 
   scores_te [T, E] fp32 sigmoid affinities → (weights_tk fp32, idx_tk int32). With
   `renormalize` (and k > 1, as in DeepSeek-V3) the k weights are divided by their sum + 1e-20,
@@ -122,7 +122,7 @@ class Router(nnx.Module):
 
 def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_t: jax.Array,
                             top_k: int) -> jax.Array:
-  """One Quantile-Balancing step (k3-math §5.3), in sigmoid-score space, over real tokens.
+  """One Quantile-Balancing step (docs/maths.md §5.3), in sigmoid-score space, over real tokens.
 
       α_t  = (k+1)-th largest over e of (s_te + b_e)     token cutoff with the current bias
       μ_te = s_te − α_t                                  margin
@@ -259,7 +259,7 @@ class RoutedExperts(nnx.Module):
 
 
 class StableLatentMoE(nnx.Module):
-  """K3 Stable LatentMoE layer (k3-math §5.5): a router on the full-width token, routed SiTU-GLU
+  """K3 Stable LatentMoE layer (docs/maths.md §5.5): a router on the full-width token, routed SiTU-GLU
   experts in latent width ℓ with sort-based dropless dispatch, an RMSNorm on the combined latent,
   an up-projection, and shared experts on the full-width input.
 

@@ -1,4 +1,4 @@
-"""Muon with per-head and per-expert blocks for K3 (k3-math §4), and the AdamW group beside it.
+"""Muon with per-head and per-expert blocks for K3 (docs/maths.md §4), and the AdamW group beside it.
 
 Every parameter leaf falls into exactly one group, decided from its path (`path_names`) and the
 kernel layouts of `k3train/model` (heads and experts are real axes):

@@ -1,4 +1,4 @@
-"""QK-Clip for gated MLA (k3-math §4.4, Kimi K2's MuonClip rule), applied after the optimizer step.
+"""QK-Clip for gated MLA (docs/maths.md §4.4, Kimi K2's MuonClip rule), applied after the optimizer step.
 
 For every GatedMLA and head h, with S_max^h the head's largest pre-softmax scaled logit of the
 step's forward pass (the `max_logit` variable the layer writes):
@@ -109,7 +109,7 @@ def qk_clip(params: Any, rest: Any, *, tau: float = 100.0, nope: int | None = No
   Args:
     params: pytree of parameters (nnx.State of nnx.Param as in TrainState.params, or nested dicts).
     rest: pytree holding the layers' `max_logit` leaves ([H], or [L, H] for scanned layers).
-    tau: the logit cap τ (> 0; k3-math §4.4 uses 100).
+    tau: the logit cap τ (> 0; docs/maths.md §4.4 uses 100).
     nope: qk_nope_head_dim (per-head q^C / k^C width). If omitted it is read from `config`
       (`model.mla.qk_nope_head_dim`, `mla.qk_nope_head_dim` or `qk_nope_head_dim`), else inferred
       from the shapes: rope = kv_a_proj cols − kv_lora_rank, nope = q_b_proj head width − rope.

@@ -2,7 +2,7 @@
 
 Without an active layout these are the single-device ops. Under one, the KDA recurrence runs in a
 `shard_map` (batch over the data axes, heads over `tensor`, time over `sequence`), so XLA never
-partitions the chunk scan itself. With the sequence axis of size P > 1 (k3-math §1.6):
+partitions the chunk scan itself. With the sequence axis of size P > 1 (docs/maths.md §1.6):
 
   1. each rank folds its chunks into one affine map of the entering state, S_out = M S_in + B,
      with the op itself: M is the final state from S₀ = I with zero values, B from S₀ = 0 (a

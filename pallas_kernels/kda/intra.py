@@ -1,6 +1,6 @@
 """Per-chunk ("intra-chunk") KDA quantities in plain jnp, in the Pallas kernels' storage layout.
 
-The Pallas backends split the chunked WY form (k3-math §1.4) into an intra-chunk part that is
+The Pallas backends split the chunked WY form (docs/maths.md §1.4) into an intra-chunk part that is
 independent of the state (scores, WY solve, decayed q/k) and a state-passing part. This module is
 the jnp definition of the intra-chunk part: `intra_all` returns exactly the tensors the Pallas
 intra kernel writes (plus the per-chunk state decay), so its `jax.vjp` is the intra-chunk backward
@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda.chunked import decay_scores, solve_unit_lower
+from pallas_kernels.kda.xla import decay_scores, solve_unit_lower
 
 SUB_CHUNK = 16
 
@@ -55,7 +55,7 @@ def _unchunks(x_bnhcd: jax.Array) -> jax.Array:
 
 
 def intra_all(q, k, v, g, beta, cnt_bt, *, scale: float, chunk: int):
-  """All state-independent per-chunk tensors, fp32 (k3-math §1.4 with §1.5 masks).
+  """All state-independent per-chunk tensors, fp32 (docs/maths.md §1.4 with §1.5 masks).
 
   q, k: [B, T, H, K] (q unscaled); v: [B, T, H, V]; g: [B, T, H, K]; beta: [B, T, H];
   cnt_bt: `reset_counts`. Returns (aqk [B,T,H,C], w [B,T,H,K], u [B,T,H,V], qg [B,T,H,K],

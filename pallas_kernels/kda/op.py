@@ -1,8 +1,9 @@
 """Public KDA op: validates, canonicalises (scale, dtype, padding, resets) and dispatches to a backend.
 
-Backends: "reference" (token recurrence, the oracle), "jax" (chunked WY form in jnp, runs anywhere),
-"pallas_gpu" (Pallas-Triton kernels), "pallas_tpu" (Pallas-Mosaic kernels) — both with a chunked
-custom_vjp backward, and run in interpret mode when their platform is absent (CI) — and "auto"
+Backends (BACKENDS): "reference" (token recurrence, reference.py, the oracle), "jax" (chunked WY
+form in jnp, xla.py, runs anywhere), "pallas_gpu" (Pallas-Triton kernels, pallas_gpu.py),
+"pallas_tpu" (Pallas-Mosaic kernels, pallas_tpu.py) — both Pallas backends through the chunked
+custom_vjp of vjp.py, and run in interpret mode when their platform is absent (CI) — and "auto"
 (pallas_gpu on GPU, pallas_tpu on TPU, jax elsewhere).
 """
 
@@ -13,10 +14,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda.chunked import kda_chunked
 from pallas_kernels.kda.intra import reset_counts
-from pallas_kernels.kda.pallas_op import kda_pallas
 from pallas_kernels.kda.reference import kda_recurrent, recurrent_step
+from pallas_kernels.kda.vjp import kda_pallas
+from pallas_kernels.kda.xla import kda_xla
 
 BACKENDS = ("auto", "reference", "jax", "pallas_gpu", "pallas_tpu")
 _PALLAS_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
@@ -140,38 +141,9 @@ def _kda_core(q, k, v, g, beta, scale, s0, reset_bt, *, dtype, chunk_size, backe
   if backend == "reference":
     o_bthv, s_bhkv = kda_recurrent(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, s0_bhkv, reset_bt)
   else:
-    o_bthv, s_bhkv = _chunked_avoiding_unit_dims(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth,
-                                                 s0_bhkv, reset_bt, chunk_size)
+    o_bthv, s_bhkv = kda_xla(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, s0_bhkv, reset_bt,
+                             chunk_size)
   return o_bthv.astype(q.dtype), s_bhkv
-
-
-def _chunked_avoiding_unit_dims(q, k, v, g, beta, s0, reset_bt, chunk_size):
-  """`kda_chunked`, padding B, H or the chunk count from 1 to 2 with no-op rows on XLA:CPU.
-
-  XLA:CPU (jaxlib 0.10.2) segfaults running the autodiff of the chunked form when some but not
-  all of (B, H, T / chunk) equal 1. Zero rows / heads / trailing tokens (q = k = v = g = β = 0,
-  S₀ = 0) are exact no-ops: their outputs are dropped, the final state is unchanged and they get
-  zero gradients. Other platforms run `kda_chunked` directly.
-  """
-  b, t, h = q.shape[:3]
-  units = (b == 1, h == 1, t == chunk_size)
-  if jax.default_backend() != "cpu" or not any(units) or all(units):
-    return kda_chunked(q, k, v, g, beta, s0, reset_bt, chunk_size)
-
-  def pad(x, axis, extra):
-    if not extra:
-      return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
-
-  pb, ph, pt = int(b == 1), int(h == 1), chunk_size * int(t == chunk_size)
-  q, k, v, g = (pad(pad(pad(x, 0, pb), 1, pt), 2, ph) for x in (q, k, v, g))
-  beta = pad(pad(pad(beta, 0, pb), 1, pt), 2, ph)
-  s0 = pad(pad(s0, 0, pb), 1, ph)
-  reset_bt = pad(pad(reset_bt, 0, pb), 1, pt)
-  o, s = kda_chunked(q, k, v, g, beta, s0, reset_bt, chunk_size)
-  return o[:b, :t, :h], s[:b, :h]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "backend"))

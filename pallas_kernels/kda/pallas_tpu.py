@@ -4,7 +4,8 @@ TPU blocks must tile the last two dims by (8, 128) or take them whole, so the ke
 head-major [B, H, T, ·] layout (transposed here, outside the kernels) with per-chunk [C, ·]
 blocks. The chunk loop of the state passes is the innermost grid axis ("arbitrary"), the state
 lives in a VMEM scratch across it, and the other axes are "parallel". Entry points take and
-return the same [B, T, H, ·] layouts as `pallas_gpu`, so `pallas_op` drives either.
+return the same [B, T, H, ·] layouts as `pallas_gpu`, so `vjp` drives either. Kernel bodies:
+`kernels` (state passes, chunk backward, shared with the GPU) and `pallas_tpu_intra` (intra-chunk).
 Only interpret mode has run (no TPU available); see benchmarks/kda_kernel.md.
 """
 
@@ -18,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import intra as intra_lib
-from pallas_kernels.kda import kernels
+from pallas_kernels.kda import kernels, pallas_tpu_intra
 
 F32 = jnp.float32
 SUB = 16
@@ -45,14 +46,14 @@ def chunk_cumsum(g, chunk, *, interpret):
 
 
 def intra(q, k, v, gam, beta, cnt, *, scale, chunk, interpret, save=True):
-  """Same contract as pallas_gpu.intra (akk and inv are always computed: the kernel body is the
-  shared `kernels.intra_kernel`); grid (B, H, N), all parallel."""
+  """Same contract as pallas_gpu.intra (akk and inv are always computed, `save` or not:
+  pallas_tpu_intra.intra_kernel); grid (B, H, N), all parallel."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   n = t // chunk
   st = q.dtype
   tok = lambda d: pl.BlockSpec((None, None, chunk, d), lambda ib, ih, ic: (ib, ih, ic, 0))
-  kernel = functools.partial(kernels.intra_kernel, scale=scale, sub=SUB, mm_dtype=st)
+  kernel = functools.partial(pallas_tpu_intra.intra_kernel, scale=scale, sub=SUB, mm_dtype=st)
   outs = pl.pallas_call(
       kernel, grid=(b, h, n),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
@@ -200,7 +201,8 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   dv = v.shape[-1]
   n = t // chunk
   tok = lambda d: pl.BlockSpec((None, None, chunk, d), lambda ib, ih, ic: (ib, ih, ic, 0))
-  kernel = functools.partial(kernels.intra_bwd_kernel, scale=scale, sub=SUB, mm_dtype=q.dtype)
+  kernel = functools.partial(pallas_tpu_intra.intra_bwd_kernel, scale=scale, sub=SUB,
+                             mm_dtype=q.dtype)
   outs = pl.pallas_call(
       kernel, grid=(b, h, n),
       in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),

@@ -1,4 +1,4 @@
-"""Token-by-token KDA recurrence (k3-math §1.2 step 6): the oracle every fast path is tested against.
+"""Token-by-token KDA recurrence (docs/maths.md §1.2 step 6): the oracle of every fast path.
 
 Readable rather than fast: one `lax.scan` step per token. Runs in whatever float dtype it is given
 (float64 included). Inputs are expected canonical (see `pallas_kernels.kda.op`): q already scaled,

@@ -2,9 +2,12 @@
 
 Token routing in k3train is dropless: the T·k (token, expert) pairs are sorted by expert so every
 expert's rows are contiguous, the experts run as one grouped matmul over the sorted rows, and the
-results are un-sorted and summed per token with the routing weights (k3-math §5.5). The Pallas
-gmm kernels sit behind `backend`: Mosaic GPU (pallas_kernels.moe.mgpu) and Mosaic TPU
-(pallas_kernels.moe.pallas_tpu).
+results are un-sorted and summed per token with the routing weights (docs/maths.md §5.5).
+
+gmm backends (BACKENDS): "reference" (dense, readable: reference.py), "ragged_dot"
+(`jax.lax.ragged_dot`, portable: xla.py), "pallas_gpu" (Mosaic GPU kernels: pallas_gpu.py),
+"pallas_tpu" (Mosaic TPU kernels: pallas_tpu.py) — both Pallas backends through the custom_vjp of
+vjp.py — and "auto" (see `resolve_backend`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe import pallas_gpu, pallas_tpu
-from pallas_kernels.moe.ragged import gmm_ragged_dot
 from pallas_kernels.moe.reference import gmm_reference
+from pallas_kernels.moe.xla import gmm_ragged_dot
 
 
 def _gmm_pallas_gpu(lhs, rhs, group_sizes):
@@ -106,7 +109,7 @@ def combine(y_sorted: jax.Array, weights: jax.Array, perm: jax.Array) -> jax.Arr
   y_sorted [T·k, D] (row i belongs to pair perm[i]), weights [T, k], perm [T·k] → y [T, D] with
   y[t] = Σ_j weights[t, j] · y_sorted[row of pair (t, j)]. The weights are applied in fp32 to each
   expert output and the k products are summed in fp32 in a fixed order (deterministic, no
-  scatter-add), then cast to y_sorted's dtype (k3-math §5.1 numerics note).
+  scatter-add), then cast to y_sorted's dtype (docs/maths.md §5.1 numerics note).
   """
   num_tokens, top_k = weights.shape
   num_pairs = num_tokens * top_k

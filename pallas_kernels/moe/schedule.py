@@ -9,9 +9,9 @@ sum(group_sizes) by items of a virtual "tail" group with id G, whose kernels wri
 (a multiple of 8 keeps TMA/sublane-friendly offsets) and are clamped to end inside [0, num_rows),
 so no tile reads out of bounds; the overlap a clamp causes is masked by valid_start/valid_size.
 
-The schedule is shared by the Mosaic GPU kernels (pallas_kernels.moe.mgpu) and the Mosaic TPU
-kernels (pallas_kernels.moe.pallas_tpu, with align == tile so every tile is a whole block), so the
-CPU interpret-mode tests check the same schedule logic the hardware kernels use.
+The schedule is shared by the Mosaic GPU kernels (pallas_gpu.py) and the Mosaic TPU kernels
+(pallas_tpu.py, with align == tile so every tile is a whole block), so the CPU interpret-mode
+tests check the same schedule logic the hardware kernels use.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (k3-math §3): `attn_res_mix` invariants (§3.5) and the K3 wiring.
+"""Block Attention Residuals (docs/maths.md §3): `attn_res_mix` invariants (§3.5) and the K3 wiring.
 
 `attn_res_mix` computes in fp32 whatever the input dtype, so comparisons with the numpy fp64
 reference use rtol = atol = 2e-6 (O(1) values, ≤ 9 sources). "Exact" below means bitwise.

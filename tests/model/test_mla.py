@@ -1,4 +1,4 @@
-"""Gated NoPE MLA (k3-math §2): a naive fp64 reference and the invariants of §2.5.
+"""Gated NoPE MLA (docs/maths.md §2): a naive fp64 reference and the invariants of §2.5.
 
 The module runs in fp32; every comparison against the numpy fp64 reference uses
 rtol = 2e-5, atol = 2e-5 (fp32 rounding of O(1) activations through five matmuls, two RMSNorms
@@ -75,7 +75,7 @@ def _rms(x, gain, eps):
 
 
 def naive_mla(m: mla_lib.GatedMLA, cfg, x, seg=None, gate_override=None):
-  """Per-head loop in fp64 straight from k3-math §2.2. Returns (out [B,T,d], pre_o [B,T,H,dv],
+  """Per-head loop in fp64 straight from docs/maths.md §2.2. Returns (out [B,T,d], pre_o [B,T,H,dv],
   max masked logit per head [H], max unmasked logit per head over all (t, u) pairs [H]).
 
   Weights are read from the module and flattened to the §2.1 matrix layout (d × H·(dn+dr) etc.)

@@ -1,4 +1,4 @@
-"""Stable LatentMoE, router and Quantile Balancing: the invariants of k3-math §5.6."""
+"""Stable LatentMoE, router and Quantile Balancing: the invariants of docs/maths.md §5.6."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Per-head / per-expert Muon (k3-math §4): the parameter partition and the optimizer's updates.
+"""Per-head / per-expert Muon (docs/maths.md §4): the parameter partition and the optimizer's updates.
 
-Muon updates are compared against an explicit Newton–Schulz written here from k3-math §4.1, run
+Muon updates are compared against an explicit Newton–Schulz written here from docs/maths.md §4.1, run
 in float64 on each head / expert / layer block separately. At optax's first step the Nesterov
 momentum is a positive multiple of the gradient, mu_hat = (1 + β/(1+β))·G, which the reference
 applies before its Frobenius normalisation so that the ε term matches too.
@@ -28,7 +28,7 @@ RMS = 0.2
 NS_EPS = 1e-8
 TOL = 1e-5
 
-# Names that must never be orthogonalised (k3-math §4.5.4), plus the router (AdamW by K3 choice).
+# Names that must never be orthogonalised (docs/maths.md §4.5.4), plus the router (AdamW by K3 choice).
 ADAMW_NAMES = {"embedding", "lm_head", "scale", "A_log", "dt_bias", "q_conv", "k_conv", "v_conv",
                "query", "norm_scale", "router"}
 EXPECTED_GROUP = {
@@ -40,7 +40,7 @@ EXPECTED_GROUP = {
 
 
 def ns_reference(g: np.ndarray, steps: int = 5) -> np.ndarray:
-  """Quintic Newton–Schulz of k3-math §4.1 on one 2-D block, float64."""
+  """Quintic Newton–Schulz of docs/maths.md §4.1 on one 2-D block, float64."""
   x = np.asarray(g, np.float64)
   x = x / (np.linalg.norm(x) + NS_EPS)
   transposed = x.shape[0] > x.shape[1]

@@ -1,4 +1,4 @@
-"""QK-Clip on the real decoder structure (k3-math §4.4–4.5).
+"""QK-Clip on the real decoder structure (docs/maths.md §4.4–4.5).
 
 A small K3Model (unscanned prefix, a 2-layer scanned stack, unscanned suffix; MLA in each part;
 structure from eval_shape, MLA weights from eagerly built GatedMLAs, see `build_model`) is split
@@ -131,7 +131,7 @@ def layer_weights(flat, owner, index):
 
 
 def naive_logits(w, x):
-  """fp64 scaled pre-softmax logits [B, H, T, S] (k3-math §2.2) and the causal+document mask."""
+  """fp64 scaled pre-softmax logits [B, H, T, S] (docs/maths.md §2.2) and the causal+document mask."""
   def rms(v, g):
     return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + 1e-6) * g
   x = np.asarray(x, np.float64)

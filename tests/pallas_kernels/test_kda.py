@@ -1,4 +1,4 @@
-"""KDA op tests: the chunked "jax" backend against the token recurrence (k3-math §1.7 invariants).
+"""KDA op tests: the chunked "jax" backend against the token recurrence (docs/maths.md §1.7 invariants).
 
 fp64 checks run under a local `jax.enable_x64(True)` context (never globally). Inputs come from
 numpy and most tests share the SMALL / LARGE shapes, so the jitted op compiles once per
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import kda, kda_decode_step
-from pallas_kernels.kda.chunked import solve_unit_lower
+from pallas_kernels.kda.xla import solve_unit_lower
 
 SMALL = dict(b=2, t=100, h=2, dk=16, dv=8)       # fp64; T is not a multiple of any chunk size
 LARGE = dict(b=1, t=256, h=2, dk=128, dv=128)    # fp32 at the K3 head size

@@ -4,9 +4,10 @@ recurrence, in interpret mode on CPU (the kernels' own bodies run; only the lowe
 Every case checks outputs, final state and the gradients wrt q, k, v, g, beta, initial_state (the
 chunked custom_vjp backward) at K = V = 128. Few, packed cases keep the interpret-mode cost low:
 one multi-row fp32 case carries most scenarios (see `packed_case`), plus T = 1 and bf16.
-pallas_gpu runs in both state-pass variants (fused, the default, and split; see pallas_gpu.py);
-the split one also with V-blocks of 64 and Qgᵀ dO kept in the loop. Results are computed once per
-variant and shared by the reference and the fused-vs-split comparisons.
+pallas_gpu runs with the state passes the grid rule picks in interpret mode (fused forward, narrow
+backward: the default) and with those it picks on a GPU at many heads (split forward, wide
+backward; see pallas_gpu.py). Results are computed once per variant and shared by the reference
+and the fused-vs-split comparisons.
 """
 
 from __future__ import annotations
@@ -22,18 +23,10 @@ from pallas_kernels.kda import kda, pallas_gpu
 from pallas_kernels.kda import intra as intra_lib
 from tests.pallas_kernels.test_kda import make_inputs, max_err
 
-PALLAS = ("pallas_gpu", "pallas_gpu_split", "pallas_tpu")
+PALLAS = ("pallas_gpu", "pallas_gpu_split_fwd_wide_bwd", "pallas_tpu")
 # variant name -> (kda backend, pallas_gpu.configured overrides or None for the module defaults)
 VARIANTS = {
     "pallas_gpu": ("pallas_gpu", None),
-    "pallas_gpu_split": ("pallas_gpu", dict(split=True)),
-    "pallas_gpu_split_bv64_nohoist": ("pallas_gpu", dict(split=True, bv=64, hoist_qdo=False)),
-    "pallas_gpu_levels": ("pallas_gpu", dict(intra_fwd="levels", intra_bk=64, unroll_bwd=True)),
-    "pallas_gpu_columns_chunk": ("pallas_gpu", dict(intra_fwd="columns", intra_bwd="chunk")),
-    "pallas_gpu_strips": ("pallas_gpu", dict(intra_bwd="strips", strip_bk=16, fuse_wu=False,
-                                             strip_earlier="chunk")),
-    # W and U gating q, k themselves (not the score kernel) and separate W / U kernels.
-    "pallas_gpu_ungated": ("pallas_gpu", dict(gate_in_scores=False, fuse_wu=False)),
     # The forward / backward state-pass choices the grid rule makes on a GPU at many heads.
     "pallas_gpu_split_fwd_wide_bwd": ("pallas_gpu", dict(split_fwd=True, wide_bwd=True,
                                                          wu_bk=32)),
@@ -93,9 +86,7 @@ def packed_results(variant, dtype_name):
   return outputs_and_grads(inputs, seg, variant)
 
 
-@pytest.mark.parametrize("backend", PALLAS + ("pallas_gpu_split_bv64_nohoist", "pallas_gpu_levels",
-                                     "pallas_gpu_columns_chunk", "pallas_gpu_strips",
-                                     "pallas_gpu_split_fwd_wide_bwd", "pallas_gpu_ungated"))
+@pytest.mark.parametrize("backend", PALLAS)
 def test_packed_fp32_matches_reference(backend):
   o_ref, s_ref, g_ref = packed_results("reference", "float32")
   o, s, grads = packed_results(backend, "float32")
@@ -137,12 +128,12 @@ def test_packed_bf16_within_tolerance(backend):
     assert max_err(x, ref) <= 2e-2 * max_err(ref, 0.0), name
 
 
-@pytest.mark.parametrize("split", ["pallas_gpu_split", "pallas_gpu_split_bv64_nohoist"])
+@pytest.mark.parametrize("split", ["pallas_gpu_split_fwd_wide_bwd"])
 def test_split_equals_fused_fp32(split):
-  # The split state passes do the same sums in the same order as the fused ones (only the XLA:CPU
-  # dot blocking may differ with the V-block), so fp32 results agree to rounding: ≤ 2e-6 × the
-  # fused result's max magnitude (measured on CPU: ≤ 4e-7 ×, gradients of the default split
-  # variant bit-identical), far below the 1e-4 reference tolerance.
+  # The split forward and the wide backward do the same sums in the same order as the fused,
+  # narrow ones (only the XLA:CPU dot blocking may differ with the V-block), so fp32 results agree
+  # to rounding: ≤ 2e-6 × the fused result's max magnitude, far below the 1e-4 reference
+  # tolerance.
   fused = packed_results("pallas_gpu", "float32")
   got = packed_results(split, "float32")
   names = ("o", "S") + GRAD_NAMES
@@ -155,36 +146,47 @@ def _pallas_calls(fn, *args):
 
 
 def test_variant_switch_reaches_the_kernels():
-  # The variant is read at trace time: the default forward has 5 kernels (cumsum, strip scores,
-  # WY inverse, W and U, fused state), the split one 6 (+ output); fwd+bwd adds state_bwd,
-  # chunk_bwd, WY backward and score backward: 9, split 11 (+ output, + local backward),
-  # split forward only 10; W and U apart +1; the columns forward is one intra kernel, the
-  # unsplit WY one kernel.
+  # The state-pass form is read at trace time: the default forward has 5 kernels (cumsum, strip
+  # scores, WY inverse, W and U, fused state); fwd+bwd adds state_bwd, chunk_bwd, WY backward and
+  # score backward: 9; the split forward +1 (output).
   # `configured` clears JAX's caches, so switching back and forth inside one process retraces.
   q, k, v, g, beta, _ = make_inputs(24, b=1, t=64, h=1, dk=16, dv=16, dtype=jnp.float32)
   fwd = lambda *a: kda(*a, backend="pallas_gpu")[0]
   grad = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=range(5))
   counts = lambda: (_pallas_calls(fwd, q, k, v, g, beta), _pallas_calls(grad, q, k, v, g, beta))
   assert counts() == (5, 9)
-  with pallas_gpu.configured(split=True, bv=16):
-    assert counts() == (6, 11)
-    assert pallas_gpu.SETTINGS.split and pallas_gpu.SETTINGS.bv == 16
   with pallas_gpu.configured(split_fwd=True, split_fwd_bv=16):
     assert counts() == (6, 10)
-  with pallas_gpu.configured(fuse_wu=False):
-    assert counts() == (6, 10)
-  with pallas_gpu.configured(wy_split=False, cumsum_kernel=False):
-    assert counts() == (3, 7)
-  with pallas_gpu.configured(intra_fwd="columns", intra_bwd="chunk"):
-    assert counts() == (3, 6)
   assert counts() == (5, 9)
   assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
+
+
+def test_w_and_u_kernels_by_shape():
+  # K = V: W and U in one kernel per column block (the 5 / 9 above); K ≠ V: a W and a U kernel.
+  q, k, v, g, beta, _ = make_inputs(24, b=1, t=64, h=1, dk=16, dv=32, dtype=jnp.float32)
+  fwd = lambda *a: kda(*a, backend="pallas_gpu")[0]
+  grad = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=range(5))
+  assert _pallas_calls(fwd, q, k, v, g, beta) == 6
+  assert _pallas_calls(grad, q, k, v, g, beta) == 10
+
+
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_gpu_split_fwd_wide_bwd"])
+@pytest.mark.parametrize("dk, dv", [(16, 32), (32, 16)])
+def test_k_unequal_v_fp32(backend, dk, dv):
+  # K ≠ V (separate W and U kernels, V-blocks unlike the K-blocks), a mid-chunk reset, S₀ ≠ 0.
+  inputs = make_inputs(25, b=1, t=100, h=2, dk=dk, dv=dv, dtype=jnp.float32)
+  seg = np.repeat([0, 1], [37, 63])[None]
+  o_ref, s_ref, g_ref = outputs_and_grads(inputs, seg, "reference")
+  o, s, grads = outputs_and_grads(inputs, seg, backend)
+  assert max_err(o, o_ref) <= 1e-4 and max_err(s, s_ref) <= 1e-4
+  for name, gr, gr_ref in zip(GRAD_NAMES, grads, g_ref):
+    assert max_err(gr, gr_ref) <= 1e-4, name
 
 
 def test_state_pass_variants_by_grid_size():
   # Default (split_fwd None): the forward state pass runs split only when the fused kernel's
   # B·H·V/bv programs exceed the SMs (H200: 132; bv 32): 2×16 heads = 128 programs stay fused,
-  # 1×96 heads = 384 split; never in interpret mode (no SM count). split_fwd / split override.
+  # 1×96 heads = 384 split; never in interpret mode (no SM count). split_fwd overrides.
   assert not pallas_gpu.split_forward(2, 16, 128, 132)
   assert pallas_gpu.split_forward(1, 96, 128, 132)
   assert not pallas_gpu.split_forward(1, 96, 128, None)
@@ -192,8 +194,6 @@ def test_state_pass_variants_by_grid_size():
     assert not pallas_gpu.split_forward(1, 96, 128, 132)
   with pallas_gpu.configured(split_fwd=True):
     assert pallas_gpu.split_forward(2, 16, 128, 132)
-  with pallas_gpu.configured(split=True):
-    assert pallas_gpu.split_forward(1, 1, 128, None)
   # The fused backward widens (V-block 64, 8 warps) by the same rule.
   assert not pallas_gpu.wide_backward(2, 16, 128, 132)
   assert pallas_gpu.wide_backward(1, 96, 128, 132)
@@ -208,10 +208,7 @@ def test_state_pass_variants_by_grid_size():
                                        (dict(strip_stages=5), "strip_stages must be"),
                                        (dict(split_fwd_bv=96), "split_fwd_bv must be"),
                                        (dict(wu_bk=48), "wu_bk must be"),
-                                       (dict(wu_warps=3), "wu_warps must be"),
                                        (dict(wide_stages=5), "wide_stages must be"),
-                                       (dict(intra_fwd="rows"), "intra_fwd must be one of"),
-                                       (dict(wy_dots="fp16"), "wy_dots must be one of"),
                                        (dict(warps=8), "unexpected keyword")])
 def test_variant_bad_settings_raise(kw, match):
   with pytest.raises((ValueError, TypeError), match=match):
@@ -220,21 +217,17 @@ def test_variant_bad_settings_raise(kw, match):
   assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
 
 
-@pytest.mark.parametrize("intra_fwd, chunk, extra", [
-    *[(name, 32, {}) for name in pallas_gpu.INTRA_FWDS],
-    ("strips", 64, dict(strip_earlier="chunk")), ("strips", 64, {}),
-    ("strips", 64, dict(gate_in_scores=False))])
-def test_intra_kernel_matches_jnp_definition(intra_fwd, chunk, extra):
-  # Kernel-level: each forward intra-chunk kernel's tensors equal intra.intra_all (same masks and
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_intra_kernel_matches_jnp_definition(chunk):
+  # Kernel-level: the forward intra-chunk kernels' tensors equal intra.intra_all (same masks and
   # maths), here with a reset inside the second 16-row strip of a chunk (and chunk 64: four
   # strips, so strip 3 pairs with three earlier blocks).
   q, k, v, g, beta, _ = make_inputs(22, b=1, t=128, h=1, dk=16, dv=16, dtype=jnp.float32)
   reset = jnp.zeros((1, 128), bool).at[0, 23].set(True).at[0, 100].set(True)
   cnt = intra_lib.reset_counts(reset, chunk)
   want = intra_lib.intra_all(q, k, v, g, beta, cnt, scale=0.25, chunk=chunk)
-  with pallas_gpu.configured(intra_fwd=intra_fwd, **extra):
-    got = pallas_gpu.intra(q, k, v, intra_lib.chunk_cumsum(g, chunk), beta, cnt, scale=0.25,
-                           chunk=chunk, interpret=True)
+  got = pallas_gpu.intra(q, k, v, intra_lib.chunk_cumsum(g, chunk), beta, cnt, scale=0.25,
+                         chunk=chunk, interpret=True)
   for name, x, y in zip(("aqk", "w", "u", "qg", "kt"), got, want):
     assert max_err(x, y) <= 1e-5, name
 
@@ -257,11 +250,10 @@ def test_auto_is_jax_on_cpu():
 
 
 def test_cumsum_kernel_matches_xla_cumsum():
-  # The Pallas in-chunk cumsum (Settings.cumsum_kernel) against intra.chunk_cumsum, with a chunk
-  # whose Γ falls below −150 (float32 sums: the same values up to summation order).
+  # The Pallas in-chunk cumsum against intra.chunk_cumsum, with a chunk whose Γ falls below −150
+  # (float32 sums: the same values up to summation order).
   g = -jnp.abs(jax.random.normal(jax.random.PRNGKey(3), (2, 128, 3, 16))) * 5.0
   want = intra_lib.chunk_cumsum(g, 64)
-  with pallas_gpu.configured(cumsum_kernel=True):
-    got = pallas_gpu.chunk_cumsum(g, 64, interpret=True)
+  got = pallas_gpu.chunk_cumsum(g, 64, interpret=True)
   assert float(jnp.min(want)) < -150.0
   assert max_err(got, want) <= 1e-5 * float(jnp.max(jnp.abs(want)))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe as moe_ops
-from pallas_kernels.moe import mgpu
+from pallas_kernels.moe import pallas_gpu
 from pallas_kernels.moe.pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.moe.schedule import max_items, row_schedule
 from tests.pallas_kernels.gmm_testing import loop_gmm, normal
@@ -23,7 +23,7 @@ from tests.pallas_kernels import mgpu_interpret_shim
 mgpu_interpret_shim.install()
 
 # Tiny tiles: a CTA covers [64 rows, 2·64 cols]; K steps of 32; 2 pipeline stages.
-CFG = mgpu.MgpuConfig(tile_m=64, tile_n=64, tile_k=32, stages=2, epi_n=64, grid_width=2)
+CFG = pallas_gpu.MgpuConfig(tile_m=64, tile_n=64, tile_k=32, stages=2, epi_n=64, grid_width=2)
 K, N = 128, 128
 
 
@@ -110,4 +110,4 @@ def test_auto_backend_is_pallas_gpu_only_on_gpu():
 def test_mgpu_rejects_untileable_shapes():
   lhs, rhs = normal((64, 48), 0, jnp.bfloat16), normal((2, 48, 128), 1, jnp.bfloat16)
   with pytest.raises(ValueError, match="tile_k"):
-    mgpu.gmm_mgpu(lhs, rhs, jnp.asarray([32, 32]), config=CFG, interpret=True)
+    pallas_gpu.gmm_mgpu(lhs, rhs, jnp.asarray([32, 32]), config=CFG, interpret=True)

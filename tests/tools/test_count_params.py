@@ -1,4 +1,4 @@
-"""k3train.tools.count_params on the full K3 config, against a hand count from k3-math §0.2/§1.1/
+"""k3train.tools.count_params on the full K3 config, against a hand count from docs/maths.md §0.2/§1.1/
 §2.1/§3/§5.5 and the 2.8 T total / 104 B active of the release (within 2%)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.configs import k3_full
-from k3train.tools import count_params
+from k3train.model import counting
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,7 +71,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def result(cfg):
-  return count_params.count(cfg)
+  return counting.count(cfg)
 
 
 def test_total_and_active_near_release_figures(result):

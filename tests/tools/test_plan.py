@@ -1,5 +1,6 @@
-"""k3train.tools.plan: per-device state bytes against a direct computation from the specs,
-sharding invariants, the divisibility error, activation-model invariants, and the CLI on k3_full."""
+"""k3train.tools.plan: per-device state bytes against a direct computation from the specs and
+against the shardings a run builds, the divisibility errors, activation-model invariants, the
+mesh search, config overrides, and the CLI on k3_full."""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3train import config as config_lib
 from k3train.parallel import rules as rules_lib
+from k3train.parallel import state_sharding
+from k3train.parallel.mesh import MeshError
 from k3train.tools import plan
+from k3train.tools.plan import __main__ as plan_cli
+from k3train.tools.plan.state import KEPT_IN_COMPUTE, unit_of
+from k3train.train import builder
+from k3train.tree_paths import path_names
+from tests.configs import k3_tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO, "configs", "k3_tiny.py")
@@ -26,8 +35,8 @@ SMALL_MESH = dict(data=1, fsdp=2, expert=2, sequence=1, tensor=2)
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = plan.load_config(TINY)
-  return cfg, plan.abstract_state(cfg)
+  cfg = config_lib.validate(k3_tiny.get_config())
+  return cfg, builder.abstract_state(cfg)
 
 
 def direct_param_bytes(params, rules, sizes) -> tuple[int, int]:
@@ -49,11 +58,53 @@ def direct_param_bytes(params, rules, sizes) -> tuple[int, int]:
   return per_device, unsharded
 
 
+def run_sharding_bytes(state, rules, sizes) -> plan.StateBytes:
+  """The definition: per-device bytes from the NamedShardings a run builds on this mesh."""
+  mesh = plan.abstract_mesh(sizes)
+  param_sh = state_sharding.nnx_state_shardings(state.params, rules, mesh)
+  rest_sh = state_sharding.nnx_state_shardings(state.rest, rules, mesh)
+  opt_sh = state_sharding.mirror_shardings(state.opt, state.params, param_sh, mesh)
+
+  def local_bytes(x, sharding) -> int:
+    return math.prod(sharding.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+
+  def total(tree, shardings) -> int:
+    return sum(local_bytes(x, s) for x, s in zip(jax.tree_util.tree_leaves(tree),
+                                                 jax.tree_util.tree_leaves(shardings)))
+
+  # Optimizer leaves that mirror no parameter: the same matching with indices for shardings.
+  treedef = jax.tree_util.tree_structure(param_sh)
+  index_tree = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+  matched = jax.tree_util.tree_leaves(
+      state_sharding.mirror_shardings(state.opt, state.params, index_tree, mesh))
+  largest, replicated = 0, []
+  for (path, x), s, hit in zip(jax.tree_util.tree_flatten_with_path(state.opt)[0],
+                               jax.tree_util.tree_leaves(opt_sh), matched):
+    b = local_bytes(x, s)
+    largest = max(largest, b)
+    if not isinstance(hit, int) and len(x.shape) >= 2:
+      replicated.append((".".join(path_names(path)), b))
+  units = {}
+  for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
+                          jax.tree_util.tree_leaves(param_sh)):
+    names = path_names(path)
+    kept = 1
+    for dim_axes in s.spec:
+      axes = (dim_axes,) if isinstance(dim_axes, str) else (dim_axes or ())
+      kept *= math.prod(mesh.shape[a] for a in axes if a in KEPT_IN_COMPUTE)
+    count = math.prod(x.shape) // kept
+    if names[0] == "stack":
+      count //= x.shape[0]
+    units[unit_of(names)] = units.get(unit_of(names), 0) + count
+  return plan.StateBytes(total(state.params, param_sh), total(state.rest, rest_sh),
+                         total(state.opt, opt_sh), largest, replicated, units)
+
+
 @pytest.mark.parametrize("recipe", ["default", "full"])
 def test_param_bytes_equal_direct_computation_from_specs(tiny, recipe):
   cfg, state = tiny
   rules = rules_lib.get_rules(recipe)
-  sb = plan.state_bytes(state, rules, plan.abstract_mesh(SMALL_MESH))
+  sb = plan.state_bytes(plan.state_layout(state, recipe), SMALL_MESH)
   expected, unsharded = direct_param_bytes(state.params, rules, SMALL_MESH)
   assert sb.params == expected
   assert sb.params < unsharded                  # the mesh really shards something
@@ -65,21 +116,32 @@ def test_param_bytes_equal_direct_computation_from_specs(tiny, recipe):
   assert sb.opt * devices >= opt_unsharded
 
 
+@pytest.mark.parametrize("recipe", ["default", "full"])
 @pytest.mark.parametrize("sizes", [SMALL_MESH, dict(data=2, fsdp=1, expert=4, sequence=2, tensor=1)])
-def test_fast_path_matches_the_real_sharding_code(tiny, sizes):
+def test_state_bytes_match_the_run_shardings(tiny, recipe, sizes):
   cfg, state = tiny
-  rules = rules_lib.get_rules("full")
-  real = plan.state_bytes(state, rules, plan.abstract_mesh(sizes))
-  fast = plan.state_bytes_fast(plan.leaf_layouts(state, rules), sizes)
-  assert (fast.params, fast.rest, fast.opt, fast.largest_opt_leaf) == \
+  real = run_sharding_bytes(state, rules_lib.get_rules(recipe), sizes)
+  sb = plan.state_bytes(plan.state_layout(state, recipe), sizes)
+  assert (sb.params, sb.rest, sb.opt, sb.largest_opt_leaf) == \
          (real.params, real.rest, real.opt, real.largest_opt_leaf)
-  assert fast.units == real.units
-  assert sorted(fast.replicated_opt) == sorted(real.replicated_opt)
+  assert sb.units == real.units
+  assert sorted(sb.replicated_opt) == sorted(real.replicated_opt)
+
+
+def test_non_dividing_mesh_fails_with_the_runs_error(tiny):
+  cfg, state = tiny
+  sizes = dict(data=1, fsdp=1, expert=1, sequence=1, tensor=3)
+  with pytest.raises(MeshError) as run_error:
+    state_sharding.nnx_state_shardings(state.params, rules_lib.get_rules("default"),
+                                       plan.abstract_mesh(sizes))
+  with pytest.raises(MeshError) as plan_error:
+    plan.state_bytes(plan.state_layout(state, "default"), sizes)
+  assert str(plan_error.value) == str(run_error.value)
 
 
 def test_non_dividing_mesh_names_dimension_and_axis(tiny, capsys):
-  code = plan.main([f"--config={TINY}", "--devices=3", "--device-memory=1",
-                    "--mesh", "tensor=3"])
+  code = plan_cli.main(["plan", f"--config={TINY}", "--devices=3", "--device_memory=1",
+                        "--mesh=tensor=3"])
   err = capsys.readouterr().err
   assert code == 2
   assert "not divisible" in err and "dimension" in err and "tensor=3" in err
@@ -87,10 +149,50 @@ def test_non_dividing_mesh_names_dimension_and_axis(tiny, capsys):
 
 
 def test_sequence_that_does_not_divide_names_the_batch(tiny, capsys):
-  code = plan.main([f"--config={TINY}", "--devices=3", "--device-memory=1",
-                    "--mesh", "sequence=3", "--rules", "default", "--seq-len", "128"])
+  code = plan_cli.main(["plan", f"--config={TINY}", "--devices=3", "--device_memory=1",
+                        "--mesh=sequence=3", "--rules=default", "--seq_len=128"])
   err = capsys.readouterr().err
   assert code == 2 and "seq_len" in err and "sequence=3" in err
+
+
+def test_config_overrides_reach_the_plan(tiny, capsys):
+  base = ["plan", f"--config={TINY}", "--devices=4", "--device_memory=1GB",
+          "--mesh=fsdp=2,tensor=2", "--json"]
+  assert plan_cli.main(base) in (0, 1)
+  default = json.loads(capsys.readouterr().out)
+  assert default["seq_len"] == 128 and default["rules"] == "default"
+  assert default["microbatches"] == 1
+  code = plan_cli.main(base + ["--config.data.seq_len=256", "--config.parallel.rules=full",
+                               "--config.train.microbatches=2"])
+  assert code in (0, 1)
+  out = json.loads(capsys.readouterr().out)
+  assert out["seq_len"] == 256 and out["tokens_per_device"] == 2 * default["tokens_per_device"]
+  assert out["rules"] == "full" and out["microbatches"] == 2
+  # A flag given on the command line wins over the config.
+  assert plan_cli.main(base + ["--config.data.seq_len=256", "--seq_len=64"]) in (0, 1)
+  assert json.loads(capsys.readouterr().out)["seq_len"] == 64
+  # Without --mesh the mesh comes from the config's parallel section.
+  assert plan_cli.main(["plan", f"--config={TINY}", "--devices=4", "--device_memory=1",
+                        "--config.parallel.tensor=2", "--json"]) in (0, 1)
+  assert json.loads(capsys.readouterr().out)["mesh"]["tensor"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config.data.no_such_key=1"], "no_such_key"),
+    (["--rules=no_such_recipe"], "rules"),
+    (["--devices=0"], "devices"),
+    (["--mesh=model=2"], "model=2"),
+])
+def test_usage_errors_exit_2(argv, message, capsys):
+  base = ["plan", f"--config={TINY}", "--devices=4", "--device_memory=1"]
+  code = plan_cli.main(base + argv)
+  err = capsys.readouterr().err
+  assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_device_memory_is_required(capsys):
+  assert plan_cli.main(["plan", f"--config={TINY}", "--devices=4"]) == 2
+  assert "device_memory" in capsys.readouterr().err
 
 
 def test_activation_model_invariants(tiny):
@@ -125,14 +227,39 @@ def test_activation_model_invariants(tiny):
   assert p4.phases["forward"] == p.phases["forward"] + grads
   assert p4.phases["optimizer"] == p.phases["optimizer"]
   assert plan.plan_json(p4)["global_batch"] == 4 * d.global_batch
+  # A precomputed state layout gives the same plan as the shapes it was made from.
+  layout = plan.state_layout(state, "full")
+  assert plan.make_plan(cfg, layout, SMALL_MESH, remat="full", **kw).phases == p.phases
+  with pytest.raises(ValueError, match="rules"):
+    plan.make_plan(cfg, layout, SMALL_MESH, remat="full", **dict(kw, rules_name="default"))
+
+
+def test_search_returns_fitting_plans_best_first(tiny):
+  cfg, state = tiny
+  kw = dict(rules_name="full", seq_len=128, remat="full", attention="flash",
+            device_memory_gib=1.0, margin=0.1)
+  plans = plan.search(cfg, state, 8, top=100, **kw)
+  assert plans
+  keys = [(-p.dims.n, p.sizes["data"], p.sizes["sequence"], p.peak) for p in plans]
+  assert keys == sorted(keys)
+  for p in plans:
+    assert p.fits and math.prod(p.sizes.values()) == 8
+    again = plan.make_plan(cfg, state, p.sizes, batch_per_device=p.dims.b, **kw)
+    assert again.phases == p.phases
+    # The largest power-of-two batch: twice as many sequences does not fit (or the mesh fails).
+    try:
+      assert not plan.make_plan(cfg, state, p.sizes, batch_per_device=2 * p.dims.b, **kw).fits \
+          or 2 * p.dims.b > 64
+    except MeshError:
+      pass
 
 
 def test_cli_on_k3_full_is_fast_and_allocates_nothing():
   t0 = time.monotonic()
   r = subprocess.run([sys.executable, "-m", "k3train.tools.plan", f"--config={FULL}",
-                      "--devices=1024", "--device-memory=139", "--mesh",
-                      "data=1,fsdp=-1,expert=4,sequence=2,tensor=8", "--rules", "full",
-                      "--seq-len", "4096", "--batch-per-device", "1", "--remat", "full", "--json"],
+                      "--devices=1024", "--device_memory=139",
+                      "--mesh=data=1,fsdp=-1,expert=4,sequence=2,tensor=8", "--rules=full",
+                      "--seq_len=4096", "--batch_per_device=1", "--remat=full", "--json"],
                      capture_output=True, text=True, cwd=REPO, timeout=120)
   elapsed = time.monotonic() - t0
   assert r.returncode in (0, 1), r.stderr     # 1 = does not fit; both are answers

@@ -1,4 +1,4 @@
-"""Invariants of the dots-only ("levels") intra-chunk building blocks (pallas_kernels/kda/intra_levels.py).
+"""Invariants of the GPU intra-chunk kernels' building blocks (pallas_kernels/kda/pallas_gpu_intra.py).
 
 The whole-op tests (test_kda_pallas.py) check the kernels against the token recurrence; these pin
 the pieces they rest on: the level masks split the strictly-lower pairs of a chunk exactly once,
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import intra_levels as lv
+from pallas_kernels.kda import pallas_gpu_intra as lv
 
 
 @pytest.mark.parametrize("c", [16, 32, 64])

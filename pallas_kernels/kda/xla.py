@@ -1,8 +1,10 @@
-"""Chunkwise-parallel KDA in plain jnp (k3-math §1.4, WY/UT form): the fast path that runs anywhere.
+"""Chunkwise-parallel KDA in plain jnp (docs/maths.md §1.4, WY/UT form), the "jax" backend.
 
-All intra-chunk quantities (decay-weighted scores, the WY solve) are computed for every chunk at once
-in 16-token sub-chunks; only the state hand-off between chunks is a `lax.scan` (body rematerialised). Inputs are canonical (see `op.py`): q already
-scaled, one float dtype, T a multiple of the chunk size, segment changes given as reset flags.
+All intra-chunk quantities (decay-weighted scores, the WY solve) are computed for every chunk at
+once in 16-token sub-chunks; only the state hand-off between chunks is a `lax.scan` (body
+rematerialised). Inputs are canonical (see `op.py`): q already scaled, one float dtype, T a
+multiple of the chunk size, segment changes given as reset flags. `kda_xla` is the entry point
+of the "jax" backend; `decay_scores` and `solve_unit_lower` are shared with `intra.py`.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ def decay_scores(gam_ck: jax.Array, k_ck: jax.Array, rows: tuple[jax.Array, ...]
                  ) -> list[jax.Array]:
   """For each a in rows: A[r, s] = Σ_c a[r,c] k[s,c] exp(Γ_r[c] − Γ_s[c]) for s ≤ r, else 0.
 
-  Sub-chunk form (k3-math §1.4, option 2) so no exponent is ever positive: diagonal sub×sub blocks
-  use the exact pairwise exponent masked *before* exp; off-diagonal blocks factor through the first
-  row n of the row's sub-chunk, (a_r e^{Γ_r−Γ_n})·(k_s e^{Γ_n−Γ_s}), with both factors ≤ 1.
+  Sub-chunk form (docs/maths.md §1.4, option 2) so no exponent is ever positive: diagonal
+  sub×sub blocks use the exact pairwise exponent masked *before* exp; off-diagonal blocks factor
+  through the first row n of the row's sub-chunk, (a_r e^{Γ_r−Γ_n})·(k_s e^{Γ_n−Γ_s}), with both
+  factors ≤ 1.
   Leading dims of all arrays are batch; gam, k, a: [..., C, K]; returns [..., C, C] each.
   """
   *batch, c, dk = gam_ck.shape
@@ -177,3 +180,34 @@ def kda_chunked(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, g_bthk:
   xs = (q_s0_nbhck, w_nbhck, u_nbhcv, a_qk_nbhcc, k_tail_nbhck, s0_decay_nbhk)
   s_bhkv, o_nbhcv = jax.lax.scan(chunk_step, s0_bhkv, xs)
   return _from_chunks(o_nbhcv), s_bhkv
+
+
+def kda_xla(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, g_bthk: jax.Array,
+            beta_bth: jax.Array, s0_bhkv: jax.Array, reset_bt: jax.Array, chunk: int
+            ) -> tuple[jax.Array, jax.Array]:
+  """`kda_chunked`, padding B, H or the chunk count from 1 to 2 with no-op rows on XLA:CPU.
+
+  XLA:CPU (jaxlib 0.10.2) segfaults running the autodiff of the chunked form when some but not
+  all of (B, H, T / chunk) equal 1. Zero rows / heads / trailing tokens (q = k = v = g = β = 0,
+  S₀ = 0) are exact no-ops: their outputs are dropped, the final state is unchanged and they get
+  zero gradients. Other platforms run `kda_chunked` directly.
+  """
+  b, t, h = q_bthk.shape[:3]
+  units = (b == 1, h == 1, t == chunk)
+  if jax.default_backend() != "cpu" or not any(units) or all(units):
+    return kda_chunked(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, s0_bhkv, reset_bt, chunk)
+
+  def pad(x, axis, extra):
+    if not extra:
+      return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+  pb, ph, pt = int(b == 1), int(h == 1), chunk * int(t == chunk)
+  q, k, v, g = (pad(pad(pad(x, 0, pb), 1, pt), 2, ph) for x in (q_bthk, k_bthk, v_bthv, g_bthk))
+  beta = pad(pad(pad(beta_bth, 0, pb), 1, pt), 2, ph)
+  s0 = pad(pad(s0_bhkv, 0, pb), 1, ph)
+  reset = pad(pad(reset_bt, 0, pb), 1, pt)
+  o, s = kda_chunked(q, k, v, g, beta, s0, reset, chunk)
+  return o[:b, :t, :h], s[:b, :h]

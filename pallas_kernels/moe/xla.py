@@ -1,4 +1,4 @@
-"""Portable grouped matmul on `jax.lax.ragged_dot` (XLA lowers it on CPU, GPU and TPU)."""
+"""The "ragged_dot" gmm backend: `jax.lax.ragged_dot`, which XLA lowers on CPU, GPU and TPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def gmm_ragged_dot(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Arr
   """`jax.lax.ragged_dot` with fp32 accumulation; returns the promoted input dtype.
 
   Gradients come from ragged_dot's own autodiff rules (dlhs is again a ragged_dot, drhs a
-  per-group lhsᵀ·dout), which is what a later Pallas backend must reproduce.
+  per-group lhsᵀ·dout), the rules the Pallas backends' custom_vjp (vjp.py) follows too.
   """
   dtype = jnp.result_type(lhs_mk.dtype, rhs_gkn.dtype)
   out_mn = jax.lax.ragged_dot(lhs_mk.astype(dtype), rhs_gkn.astype(dtype),

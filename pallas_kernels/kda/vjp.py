@@ -1,24 +1,19 @@
-"""Chunked KDA through Pallas kernels, with a chunked custom_vjp backward (k3-math §1.4).
+"""Chunked KDA through the Pallas kernels, with a chunked custom_vjp backward (docs/maths.md §1.4).
 
-Forward:  intra-chunk kernel (A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk, parallel over chunks)
-          → state pass, sequential over chunks and parallel over B × H × V-blocks, in one of two
-            variants (pallas_gpu.Settings.split / split_fwd, by default split when the B·H·V-block
-            programs outnumber the GPU's SMs; the TPU launchers have only the fused one):
-            fused: one sequential kernel computes Δ = U − W S, O = Qg S + A_qk Δ and
-                   S' = d⊙S + Ktᵀ Δ per chunk;
-            split: the sequential kernel computes only Δ and S' and stores every chunk's entering
-                   state h and Δ, then a chunk-parallel kernel computes O = Qg h + A_qk Δ.
-          Both return O, the final state and, for the backward, h per chunk and Δ.
-Backward: reverse state pass (dS' per chunk, dΔ = A_qkᵀ dO + Kt dS', dS = Qgᵀ dO + d⊙dS' − Wᵀ dΔ);
-            split variant: a chunk-parallel kernel first computes the state-independent
-            A_qkᵀ dO (and Qgᵀ dO, Settings.hoist_qdo), so the sequential loop only adds
-            Kt dS' and Wᵀ dΔ
+Shared by the "pallas_gpu" and "pallas_tpu" backends: `platform` picks the launchers
+(pallas_gpu.py / pallas_tpu.py), which have the same contracts.
+Forward:  chunk cumsum Γ → intra-chunk kernels (A_qk, W, U, e^Γ⊙Q, e^{Γ_C−Γ}⊙K per chunk,
+            parallel over chunks)
+          → state pass, sequential over chunks and parallel over B × H × V-blocks: per chunk
+            Δ = U − W S, O = Qg S + A_qk Δ, S' = d⊙S + Ktᵀ Δ (on the GPU either in one kernel or,
+            when the programs outnumber the SMs, split into a sequential Δ / S' kernel and a
+            chunk-parallel output kernel: pallas_gpu.split_forward).
+          Returns O, the final state and, for the backward, the entering state h per chunk and Δ.
+Backward: reverse state pass (dS' per chunk, dΔ = A_qkᵀ dO + Kt dS', dS = Qgᵀ dO + d⊙dS' − Wᵀ dΔ)
           → chunk kernel (dQg, dW, dKt, dA_qk, dd from S, dS', Δ, dΔ, dO)
-          → intra-chunk backward kernel (WY solve and score gradients; its jnp twin is the VJP
-            of `intra.intra_all`, which the tests compare it with) → dg = in-chunk reverse
-            cumsum of dΓ.
-The recurrence is never differentiated. `platform` picks the launchers (pallas_gpu / pallas_tpu);
-the GPU launchers read their variants from pallas_gpu.SETTINGS (pallas_gpu.configured swaps it).
+          → intra-chunk backward kernels (WY solve and score gradients; their jnp twin is the VJP
+            of `intra.intra_all`) → dg = in-chunk reverse cumsum of dΓ.
+The recurrence is never differentiated.
 """
 
 from __future__ import annotations

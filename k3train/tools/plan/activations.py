@@ -1,0 +1,315 @@
+"""Activation memory of one training step per device: an analytic estimate.
+
+Every term is listed by `--verbose`. Tokens per device: n = b · T / sequence, where b = sequences
+per batch shard (`--batch_per_device`) and the batch is split over the mesh axes of the `batch`
+rule (data, fsdp, expert); the `tensor` axis holds the same tokens. Per decoder layer the "all"
+residuals are what autodiff keeps without remat; the "dot" residuals are the matmul
+(dot_general) outputs, the only ones `dots_saveable` keeps (`ragged_dot`, i.e. the expert
+grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by piece:
+
+  AttnRes mix (×2 per layer)  the N_max = ceil(L/12) + 1 source slots (a new buffer per site,
+                              model.dtype) and per-source fp32 statistics; the fp32 copy and
+                              the normalised keys (2 · N_max · d · 4 bytes per token) are
+                              assumed fused into their consumers, so they count as transient
+  RMSNorm (×2)                fp32 input + low-precision output
+  KDA                         q/k/v/g/f/b projections, conv and SiLU outputs, fp32 L2-normed
+                              q/k, gates, chunk states [H, K, V] fp32 per 64-token chunk,
+                              W/U per token, fp32 output, norm and gate
+  MLA                         latent and head projections, fp32 latent norms and gate; the
+                              attention itself is assumed to be a flash / cuDNN kernel (GPU) or
+                              splash kernel (TPU): it saves its output and log-sum-exp only,
+                              O(T·H·d) memory. NOTE: k3train/model/mla.py today materialises
+                              [B, H, T, S] fp32 logits; `--attention=naive` plans that.
+                              With sequence parallelism K/V of the whole sequence are gathered.
+  MoE                         router (fp32 input, logits, scores), latent down/up, shared
+                              experts, and the dropless expert-parallel buffers: each device
+                              receives up to ep · n · k rows of width ℓ (worst case, every pair
+                              routed to one device; k3train/parallel/expert.py), and keeps the
+                              gmm input, gate/up/hidden outputs for backward; the exchange
+                              itself needs ~3 such [ep·n·k, ℓ] buffers at once (send, receive,
+                              regrouped). Quantile Balancing compares each device's own
+                              [n, E] fp32 margins (bisection over counts; forward only).
+  head                        embedding output, final norm, logits and the fp32 loss.
+
+Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 layers, is what
+`jax.checkpoint` wraps; each unscanned prefix/suffix layer is wrapped on its own):
+
+  full            saved: the scan carry per super-block (the AttnRes source buffer
+                  [N_max, n, d] plus the partial sum) and the same input stream per unscanned
+                  layer; backward working set: one super-block's residuals (4 layers) or one
+                  unscanned layer's, whichever is larger, + its buffers.
+  dots_saveable   as full, plus every dot output of every super-block; the working set is the
+                  non-dot residuals of one super-block (dots_with_no_batch_dims_saveable is
+                  planned the same way: K3's projections have no batch dims).
+  none            every layer's residuals.
+
+In the forward pass one layer's intermediates are live at a time (freed as it goes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import numpy as np
+
+from k3train import config as config_lib
+from k3train.parallel import axes as ax
+from k3train.parallel import rules as rules_lib
+
+GiB = 1024 ** 3
+FP32 = 4
+
+
+@dataclasses.dataclass
+class Dims:
+  """Per-device sizes of the activations (from the rule table on the mesh)."""
+  b: int            # sequences per batch shard
+  batch_shards: int
+  global_batch: int
+  T: int            # sequence length
+  t_local: int      # tokens of one sequence on this device
+  n: int            # tokens per device
+  seq_shards: int
+  d: int            # stream width per device
+  kda_heads: int
+  mla_heads: int
+  dense_hidden: int
+  shared_hidden: int
+  expert_hidden: int
+  vocab: int
+  ep: int           # devices the experts are split over
+
+
+def activation_dims(cfg, rules, mesh, seq_len: int, batch_per_device: int) -> Dims:
+  """Per-device activation sizes; a dimension the mesh does not divide fails with the run's
+  MeshError (from `spec_for`, as the batch sharding of a run does)."""
+  m = cfg.model
+
+  def axes_of(names):
+    used, out = set(), []
+    for name in names:
+      axes = tuple(a for a in rules_lib.mesh_axes_for(rules, name)
+                   if a not in used and mesh.shape[a] > 1)
+      used.update(axes)
+      out.append(math.prod(mesh.shape[a] for a in axes))
+    return out
+
+  batch_shards, seq_shards = axes_of((ax.BATCH, ax.SEQ))
+  B = batch_per_device * batch_shards
+  # The real batch sharding check (same message as a run): seq_len must divide over `sequence`.
+  rules_lib.spec_for((ax.BATCH, ax.SEQ), (B, seq_len), rules, mesh,
+                     what="batch [global batch, seq_len]")
+
+  def local(names, shape):
+    """Per-device size of the last dimension (spec_for raises the run's error if it does not divide)."""
+    rules_lib.spec_for(names, shape, rules, mesh, what=f"activation {tuple(names)}")
+    return shape[-1] // axes_of(names)[-1]
+
+  act = (ax.BATCH, ax.SEQ)
+  e = m.moe
+  return Dims(
+      b=batch_per_device, batch_shards=batch_shards, global_batch=B, T=seq_len,
+      t_local=seq_len // seq_shards, n=batch_per_device * seq_len // seq_shards,
+      seq_shards=seq_shards,
+      d=local(act + (ax.EMBED,), (B, seq_len, m.d_model)),
+      kda_heads=local(act + (ax.HEADS,), (B, seq_len, m.kda.num_heads)),
+      mla_heads=local(act + (ax.HEADS,), (B, seq_len, m.mla.num_heads)),
+      dense_hidden=local(act + (ax.MLP,), (B, seq_len, m.dense_ffn_hidden)),
+      shared_hidden=local(act + (ax.MLP,), (B, seq_len, e.shared_hidden)),
+      expert_hidden=local((ax.EXPERTS, ax.LATENT, ax.EXPERT_MLP),
+                          (e.num_experts, e.latent_dim, e.expert_hidden)),
+      vocab=local(act + (ax.VOCAB,), (B, seq_len, m.vocab_size)),
+      ep=axes_of((ax.EXPERTS,))[0])
+
+
+@dataclasses.dataclass
+class Cost:
+  """Bytes of one layer (or piece): residuals saved for backward, the dot-output part of them,
+  and the transient peak of its buffers in forward / backward."""
+  saved: int = 0
+  dots: int = 0
+  transient: int = 0
+  terms: dict = dataclasses.field(default_factory=dict)
+
+  def add(self, name: str, saved: int = 0, dots: int = 0, transient: int = 0) -> "Cost":
+    self.saved += saved + dots
+    self.dots += dots
+    self.transient = max(self.transient, transient)
+    self.terms[name] = self.terms.get(name, 0) + saved + dots + transient
+    return self
+
+  def __add__(self, other: "Cost") -> "Cost":
+    out = Cost(self.saved + other.saved, self.dots + other.dots,
+               max(self.transient, other.transient), dict(self.terms))
+    for k, v in other.terms.items():
+      out.terms[k] = out.terms.get(k, 0) + v
+    return out
+
+
+def expert_rows(dims: Dims, top_k: int, expert_capacity: float | None) -> int:
+  """Rows of the expert exchange's receive buffer per device (k3train/parallel/expert.py)."""
+  factor = dims.ep if expert_capacity is None else min(dims.ep, expert_capacity)
+  return int(math.ceil(factor * dims.n * top_k))
+
+
+def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None = None) -> dict[str, Cost]:
+  """Costs of the pieces of a decoder layer on one device (bytes), keyed by kind.
+
+  expert_capacity: None plans today's dropless exchange (ep · n · k receive rows); a factor c
+  plans a capacity-bounded one (min(ep, c) · n · k rows; not implemented in k3train today).
+  """
+  m = cfg.model
+  A = np.dtype(m.dtype).itemsize          # activation bytes
+  F = FP32
+  n, d = dims.n, dims.d
+  ns = -(-m.num_layers // m.attn_res.block_size) + 1
+  out = {}
+
+  # The sources buffer (blocks + partial sum) is a new array per site; its fp32 copy and the
+  # normalised keys are elementwise and assumed fused into their consumers (transient only).
+  out["attn_res"] = Cost().add("attn_res: sources [N_max, n, d] + fp32 stats",
+                               saved=n * ns * d * A + 2 * n * ns * F,
+                               dots=n * d * F + n * ns * F, transient=2 * n * ns * d * F)
+  out["norm"] = Cost().add("rmsnorm: fp32 input + output", saved=n * d * (F + A))
+
+  k = m.kda
+  h, K, V = dims.kda_heads, k.head_dim, k.head_dim
+  c = Cost()
+  c.add("kda: projections q,k,v,g,f,b,o", dots=n * (5 * h * K * A + K * A + h * A + d * A))
+  c.add("kda: conv + silu outputs, fp32 l2-normed q/k, gates",
+        saved=n * h * K * (6 * A + 4 * F) + n * h * F)
+  c.add("kda: chunk states [H,K,V] fp32 per chunk + W/U",
+        saved=n * h * K * V * F // k.chunk_size + n * h * (K + V) * F,
+        transient=n * h * k.chunk_size * F * 2
+        + (2 * dims.seq_shards * dims.b * h * K * (K + V) * F if dims.seq_shards > 1 else 0))
+  c.add("kda: fp32 output, norm, gate", saved=n * h * V * (3 * F + A))
+  out["kda"] = c
+
+  a = m.mla
+  h = dims.mla_heads
+  qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+  c = Cost()
+  c.add("mla: projections q_a,q_b,kv_a,kv_b,g,o",
+        dots=n * (a.q_lora_rank * A + h * qk * A + (a.kv_lora_rank + a.qk_rope_head_dim) * A
+                  + h * (a.qk_nope_head_dim + a.v_head_dim) * A + h * a.v_head_dim * A + d * A))
+  c.add("mla: fp32 latent norms, gate, output", saved=n * (a.q_lora_rank * F + a.kv_lora_rank * F
+                                                           + h * a.v_head_dim * (2 * F + A) + h * F))
+  kv_gathered = 0
+  if dims.seq_shards > 1:   # K/V of the other sequence shards, and their cotangents in backward
+    kv_gathered = 2 * dims.b * (dims.T - dims.t_local) * (
+        h * (a.qk_nope_head_dim + a.v_head_dim) + a.qk_rope_head_dim) * A
+  if attention == "naive":
+    scores = dims.b * h * dims.t_local * dims.T
+    c.add("mla: [B,H,T,S] probabilities (naive attention)",
+          saved=scores * (F + A) + dims.b * dims.t_local * dims.T,
+          transient=2 * scores * F + kv_gathered)
+  else:
+    c.add("mla: gathered K/V over sequence (flash attention)", transient=kv_gathered)
+  out["mla"] = c
+
+  hf = dims.dense_hidden
+  out["dense"] = Cost().add("dense ffn", dots=n * (2 * hf * A + d * A), saved=n * hf * (A + F))
+
+  e = m.moe
+  E, topk, lat, fl, sh = e.num_experts, e.top_k, e.latent_dim, dims.expert_hidden, dims.shared_hidden
+  rows = expert_rows(dims, topk, expert_capacity)
+  c = Cost()
+  c.add("moe: router fp32 input, logits, scores", dots=n * E * F, saved=n * (d * F + E * F + topk * 8))
+  c.add("moe: latent down/up, latent norm", dots=n * (lat * A + d * A), saved=n * lat * (F + A))
+  c.add("moe: shared experts", dots=n * (2 * sh * A + d * A), saved=n * sh * (A + F))
+  c.add(f"moe: expert rows (ep·n·k = {rows:,}) gmm input, gate/up/hidden, combine",
+        saved=rows * (lat + 3 * fl) * A + n * topk * lat * A,
+        transient=3 * rows * lat * A)
+  out["moe"] = c
+  # QB finds its quantile by bisection over per-expert counts: each device compares only its own
+  # n tokens' [n, E] fp32 margins (and their uint32 keys) and all-reduces [E] counts.
+  out["qb_sort"] = Cost().add("moe: Quantile Balancing margins + keys [n, E] (forward)",
+                              transient=2 * n * E * F)
+
+  c = Cost()
+  c.add("embedding output", saved=n * d * A)
+  c.add("final norm + head logits + fp32 loss", dots=n * dims.vocab * A,
+        saved=n * d * (F + A) + n * dims.vocab * F, transient=n * dims.vocab * F * 2)
+  out["head"] = c + out["attn_res"]
+  out["carry"] = Cost().add("scan carry: AttnRes source buffer + partial sum", saved=(ns + 1) * n * d * A)
+  return out
+
+
+def layer_cost(costs: Mapping[str, Cost], kind: tuple[str, str]) -> Cost:
+  """One decoder layer of `kind` = (mixer, ffn): two AttnRes mixes, two norms, mixer, FFN."""
+  mixer, ffn = kind
+  return costs["attn_res"] + costs["attn_res"] + costs["norm"] + costs["norm"] + costs[mixer] + costs[ffn]
+
+
+@dataclasses.dataclass
+class Activations:
+  """The activation terms of one step on one device (bytes)."""
+  dims: Dims
+  saved: int              # residuals kept for backward over the whole step
+  saved_note: str
+  working: int            # backward working set: recomputed residuals, buffers, carry cotangents
+  working_note: str
+  forward: int            # live in forward besides the saved residuals: one layer + buffers,
+                          # or the QB margins, whichever is larger
+  qb: int                 # forward QB margins
+  rows: int               # rows of the expert exchange's receive buffer
+  expert_buffers: int     # 3 × [rows, ℓ] exchange buffers (part of the working set)
+  detail: dict            # per-piece terms ("super-block", "unscanned", "head"; "carry" bytes)
+
+
+def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: str,
+             attention: str = "flash", expert_capacity: float | None = None) -> Activations:
+  """The activation terms on `mesh` under the remat policy (see the module docstring)."""
+  dims = activation_dims(cfg, rules, mesh, seq_len, batch_per_device)
+  costs = layer_costs(cfg, dims, attention, expert_capacity)
+  rows = expert_rows(dims, cfg.model.moe.top_k, expert_capacity)
+  sched = config_lib.layer_schedule(cfg.model)
+  A = np.dtype(cfg.model.dtype).itemsize
+
+  period = Cost()
+  for kind in sched.period:
+    period = period + layer_cost(costs, kind)
+  unscanned = [sched.kinds[i] for i in range(sched.prefix)] + \
+              [sched.kinds[i] for i in range(sched.suffix_start, cfg.model.num_layers)]
+  unscanned_cost = Cost()
+  for kind in unscanned:
+    unscanned_cost = unscanned_cost + layer_cost(costs, kind)
+  head, carry = costs["head"], costs["carry"].saved
+  nsb = sched.num_super_blocks
+  grad_carry = 2 * carry                       # cotangents of a super-block's carry in and out
+  transient = max(period.transient, unscanned_cost.transient, head.transient)
+
+  if remat == "none":
+    saved = nsb * period.saved + unscanned_cost.saved + head.saved
+    working = transient + grad_carry
+    saved_note = f"all {cfg.model.num_layers} layers' residuals"
+    working_note = "largest layer's buffers + carry cotangents"
+  elif remat == "full":
+    # The unscanned layers are rematerialised too: each keeps its input stream (one carry).
+    unscanned_max = max((layer_cost(costs, kind).saved for kind in unscanned), default=0)
+    saved = (nsb + len(unscanned)) * carry + head.saved
+    working = max(period.saved, unscanned_max) + transient + grad_carry
+    saved_note = (f"{nsb} scan carries + {len(unscanned)} unscanned-layer inputs "
+                  f"({carry / GiB:.2f} GiB each) + head")
+    working_note = "one super-block's residuals + buffers"
+  else:   # dots_saveable, dots_with_no_batch_dims_saveable (planned alike)
+    unscanned_max = max((layer_cost(costs, kind).saved - layer_cost(costs, kind).dots
+                         for kind in unscanned), default=0)
+    saved = nsb * (carry + period.dots) + len(unscanned) * carry + unscanned_cost.dots + head.saved
+    working = max(period.saved - period.dots, unscanned_max) + transient + grad_carry
+    saved_note = (f"{nsb} × (carry + dot outputs {period.dots / GiB:.2f} GiB) + "
+                  f"{len(unscanned)} unscanned layers + head")
+    working_note = "non-dot residuals of one super-block + buffers"
+  fwd_layer = max(layer_cost(costs, kind).saved for kind in set(sched.kinds))
+  qb = costs["qb_sort"].transient if cfg.model.moe.quantile_balancing else 0
+  detail = {"super-block": period.terms, "unscanned": unscanned_cost.terms, "head": head.terms,
+            "carry": carry}
+  return Activations(dims, saved, f"remat={remat}: {saved_note}", working, working_note,
+                     max(fwd_layer + transient, qb), qb, rows,
+                     3 * rows * cfg.model.moe.latent_dim * A, detail)
+
+
+__all__ = ["Activations", "Cost", "Dims", "activation_dims", "estimate", "expert_rows",
+           "layer_cost", "layer_costs"]

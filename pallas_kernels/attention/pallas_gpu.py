@@ -1,0 +1,453 @@
+"""The "pallas_gpu" backend: Pallas-Triton flash-attention kernels with document-aware block
+skipping, emitting the per-row max logit from the forward's own online softmax.
+
+Three kernels, in the native [B, T, H, ·] layout (BlockSpecs squeeze B and H, so no transposes):
+* forward, grid (query blocks, B, H): one query block against the key blocks lo ≤ j < hi of
+  tiles.key_block_ranges (only tiles whose segment-id ranges meet and that are not above the
+  causal diagonal); online softmax in fp32; writes out, the logsumexp and the row max of the
+  masked logits — the exact max logit of the row, so max_logit needs no pass of its own.
+* dK/dV, grid (key blocks, B, H): loops over the query blocks of tiles.query_block_ranges,
+  recomputing P = exp(S − lse); dV += Pᵀ dO, dS = P ⊙ (dO Vᵀ − Δ), dK += dSᵀ Q.
+* dQ, grid (query blocks, B, H): the forward's key blocks again; dQ += dS K.
+Δ = rowsum(dO ⊙ O) is one fused XLA elementwise-reduce. The masks use −inf (never a finite
+stand-in), so a row's running max is exactly the largest allowed logit, and rows with no allowed
+key give out 0, lse −inf and zero gradients.
+
+Head dims need not be powers of two: a dim D (a multiple of 16, ≤ 256) is split into
+power-of-two parts (192 = 128 + 64) that are separate BlockSpec views of the same array, so
+Q·Kᵀ is a sum of per-part dots and nothing is padded or copied. Sequence lengths are padded to a
+multiple of the largest block with padding rows that see nothing (q_last = −1) and padding keys
+past every q_last.
+
+Dot operands are the inputs' dtype (bf16/f16 on tensor cores, fp32 at full precision) with fp32
+accumulation; P and dS are cast to that dtype before their dots. With interpret=True the same
+kernels run on CPU (tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.attention import tiles
+from pallas_kernels.attention.vjp import differentiable_attention
+
+F32 = jnp.float32
+_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Block sizes (powers of two ≥ 16) and Triton launch settings of the three kernels.
+
+  Defaults: the fastest measured on an H200 at B1 H32 Dk192 Dv128 bf16 (benchmarks/attention.md).
+  """
+  block_q: int = 128        # forward: query rows per program
+  block_k: int = 64         # forward: keys per loop step
+  fwd_warps: int = 8
+  fwd_stages: int = 3
+  dkv_block_q: int = 64     # dK/dV: query rows per loop step
+  dkv_block_k: int = 64     # dK/dV: keys per program
+  dkv_warps: int = 8
+  dkv_stages: int = 2
+  dq_block_q: int = 64      # dQ: query rows per program
+  dq_block_k: int = 64      # dQ: keys per loop step
+  dq_warps: int = 8
+  dq_stages: int = 2
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      val = getattr(self, f.name)
+      if f.name.endswith(("block_q", "block_k")):
+        if not (isinstance(val, int) and val >= 16 and val & (val - 1) == 0):
+          raise ValueError(f"attention pallas_gpu: {f.name} must be a power of two >= 16, "
+                           f"got {val!r}")
+      elif f.name.endswith("warps") and val not in (1, 2, 4, 8, 16):
+        raise ValueError(f"attention pallas_gpu: {f.name} must be 1, 2, 4, 8 or 16, got {val!r}")
+      elif f.name.endswith("stages") and val not in (1, 2, 3, 4, 5):
+        raise ValueError(f"attention pallas_gpu: {f.name} must be 1..5, got {val!r}")
+
+  @property
+  def query_multiple(self) -> int:
+    return max(self.block_q, self.dkv_block_q, self.dq_block_q)
+
+  @property
+  def key_multiple(self) -> int:
+    return max(self.block_k, self.dkv_block_k, self.dq_block_k)
+
+
+CONFIG = Config()
+
+
+@contextlib.contextmanager
+def configured(**overrides):
+  """Use Config(**overrides) (fields not named keep their defaults) as CONFIG inside the block."""
+  global CONFIG
+  saved = CONFIG
+  CONFIG = dataclasses.replace(Config(), **overrides)
+  try:
+    yield CONFIG
+  finally:
+    CONFIG = saved
+
+
+def supports(dk: int, dv: int, dtype) -> bool:
+  """Whether the kernels take these head dims and this dtype."""
+  return (dk % 16 == 0 and dv % 16 == 0 and 0 < dk <= MAX_HEAD_DIM and 0 < dv <= MAX_HEAD_DIM
+          and dtype is not None and jnp.dtype(dtype) in _DTYPES)
+
+
+def check_supported(dk: int, dv: int, dtype) -> None:
+  if not (dk % 16 == 0 and 0 < dk <= MAX_HEAD_DIM):
+    raise ValueError(f"attention[pallas_gpu]: q and k head dim Dk must be a multiple of 16 and "
+                     f"<= {MAX_HEAD_DIM}, got {dk}")
+  if not (dv % 16 == 0 and 0 < dv <= MAX_HEAD_DIM):
+    raise ValueError(f"attention[pallas_gpu]: v head dim Dv must be a multiple of 16 and "
+                     f"<= {MAX_HEAD_DIM}, got {dv}")
+  if jnp.dtype(dtype) not in _DTYPES:
+    raise ValueError(f"attention[pallas_gpu]: q has dtype {dtype}; the kernels take bfloat16, "
+                     "float16 or float32 (use 'xla' or 'reference' for float64)")
+
+
+def head_parts(d: int) -> tuple[tuple[int, int], ...]:
+  """((offset, size), ...): d (a multiple of 16) as descending powers of two; each offset is a
+  multiple of its size, so a part is block `offset // size` of a BlockSpec of width `size`."""
+  parts, offset = [], 0
+  for bit in reversed(range(d.bit_length())):
+    size = 1 << bit
+    if d & size:
+      parts.append((offset, size))
+      offset += size
+  return tuple(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel bodies.
+
+def _precision(dtype):
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+
+
+def _mm(a, b, dtype):
+  """a [M, K] @ b [K, N], operands in `dtype`, fp32 accumulation."""
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (0,)), ((), ())),
+                         preferred_element_type=F32, precision=_precision(dtype))
+
+
+def _mm_nt(a, b, dtype):
+  """a [M, K] @ b[N, K]ᵀ → [M, N]."""
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())),
+                         preferred_element_type=F32, precision=_precision(dtype))
+
+
+def _mm_tn(a, b, dtype):
+  """a[K, M]ᵀ @ b [K, N] → [M, N]."""
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), (((0,), (0,)), ((), ())),
+                         preferred_element_type=F32, precision=_precision(dtype))
+
+
+def _logits(q_parts, k_parts, scale, dtype):
+  """scale · Q Kᵀ [rows, keys] in fp32, summed over the head-dim parts."""
+  s = None
+  for q, k in zip(q_parts, k_parts):
+    d = _mm_nt(q, k, dtype)
+    s = d if s is None else s + d
+  return s * scale
+
+
+def _allowed(seg_q, last_q, seg_k, start_k, block_k):
+  """[rows, keys] bool: same segment and key index start_k + c ≤ q_last of the row."""
+  cols = start_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+  return (seg_q[:, None] == seg_k[None, :]) & (cols <= last_q[:, None])
+
+
+def _split(refs, counts):
+  out, i = [], 0
+  for n in counts:
+    out.append(refs[i:i + n])
+    i += n
+  return out
+
+
+def _fwd_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, *refs, nkp, nvp, scale, block_k,
+                dtype):
+  """One query block: out parts, lse and row max (see module doc)."""
+  q_refs, k_refs, v_refs, o_refs, (lse_ref, m_ref) = _split(refs, (nkp, nkp, nvp, nvp, 2))
+  bq = qseg_ref.shape[0]
+  q_parts = [r[...] for r in q_refs]
+  seg_q, last_q = qseg_ref[...], qlast_ref[...]
+
+  def step(j, carry):
+    accs, m_q, l_q = carry
+    start = pl.multiple_of(j * block_k, block_k)
+    keys = pl.ds(start, block_k)
+    s = _logits(q_parts, [r[keys, :] for r in k_refs], scale, dtype)
+    s = jnp.where(_allowed(seg_q, last_q, kseg_ref[keys], start, block_k), s, -jnp.inf)
+    m_new = jnp.maximum(m_q, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # row empty so far: exps stay finite
+    alpha = jnp.exp(m_q - m_use)
+    p = jnp.exp(s - m_use[:, None])
+    l_q = l_q * alpha + jnp.sum(p, axis=1)
+    accs = tuple(a * alpha[:, None] + _mm(p, r[keys, :], dtype) for a, r in zip(accs, v_refs))
+    return accs, m_new, l_q
+
+  init = (tuple(jnp.zeros((bq, r.shape[-1]), F32) for r in o_refs),
+          jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32))
+  accs, m_q, l_q = lax.fori_loop(lo_ref[()], hi_ref[()], step, init)
+  empty = l_q == 0.0
+  inv_l = 1.0 / jnp.where(empty, 1.0, l_q)
+  for o_ref, acc in zip(o_refs, accs):
+    o_ref[...] = (acc * inv_l[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, -jnp.inf, m_q + jnp.log(jnp.where(empty, 1.0, l_q)))
+  m_ref[...] = m_q
+
+
+def _probs(s, ok, lse):
+  """P = exp(S − lse) on allowed pairs, 0 elsewhere (rows with lse = −inf have none)."""
+  lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+  return jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
+
+
+def _dkv_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, lse_ref, delta_ref, *refs, nkp,
+                nvp, scale, block_q, dtype):
+  """One key block: dK, dV over the query blocks lo ≤ i < hi."""
+  q_refs, k_refs, v_refs, do_refs, dk_refs, dv_refs = _split(refs, (nkp, nkp, nvp, nvp, nkp, nvp))
+  bk = kseg_ref.shape[0]
+  start_k = pl.program_id(0) * bk
+  k_parts = [r[...] for r in k_refs]
+  v_parts = [r[...] for r in v_refs]
+  seg_k = kseg_ref[...]
+
+  def step(i, carry):
+    dks, dvs = carry
+    rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+    q_parts = [r[rows, :] for r in q_refs]
+    do_parts = [r[rows, :] for r in do_refs]
+    s = _logits(q_parts, k_parts, scale, dtype)
+    p = _probs(s, _allowed(qseg_ref[rows], qlast_ref[rows], seg_k, start_k, bk), lse_ref[rows])
+    dvs = tuple(a + _mm_tn(p, do, dtype) for a, do in zip(dvs, do_parts))
+    dp = None
+    for do, v in zip(do_parts, v_parts):
+      d = _mm_nt(do, v, dtype)
+      dp = d if dp is None else dp + d
+    ds = p * (dp - delta_ref[rows][:, None])
+    dks = tuple(a + _mm_tn(ds, q, dtype) for a, q in zip(dks, q_parts))
+    return dks, dvs
+
+  init = (tuple(jnp.zeros((bk, r.shape[-1]), F32) for r in dk_refs),
+          tuple(jnp.zeros((bk, r.shape[-1]), F32) for r in dv_refs))
+  dks, dvs = lax.fori_loop(lo_ref[()], hi_ref[()], step, init)
+  for r, a in zip(dk_refs, dks):
+    r[...] = (a * scale).astype(r.dtype)
+  for r, a in zip(dv_refs, dvs):
+    r[...] = a.astype(r.dtype)
+
+
+def _dq_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, lse_ref, delta_ref, *refs, nkp,
+               nvp, scale, block_k, dtype):
+  """One query block: dQ over the key blocks lo ≤ j < hi."""
+  q_refs, k_refs, v_refs, do_refs, dq_refs = _split(refs, (nkp, nkp, nvp, nvp, nkp))
+  q_parts = [r[...] for r in q_refs]
+  do_parts = [r[...] for r in do_refs]
+  seg_q, last_q = qseg_ref[...], qlast_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+
+  def step(j, dqs):
+    start = pl.multiple_of(j * block_k, block_k)
+    keys = pl.ds(start, block_k)
+    k_parts = [r[keys, :] for r in k_refs]
+    s = _logits(q_parts, k_parts, scale, dtype)
+    p = _probs(s, _allowed(seg_q, last_q, kseg_ref[keys], start, block_k), lse)
+    dp = None
+    for do, r in zip(do_parts, v_refs):
+      d = _mm_nt(do, r[keys, :], dtype)
+      dp = d if dp is None else dp + d
+    ds = p * (dp - delta[:, None])
+    return tuple(a + _mm(ds, k, dtype) for a, k in zip(dqs, k_parts))
+
+  init = tuple(jnp.zeros((r.shape[0], r.shape[-1]), F32) for r in dq_refs)
+  dqs = lax.fori_loop(lo_ref[()], hi_ref[()], step, init)
+  for r, a in zip(dq_refs, dqs):
+    r[...] = (a * scale).astype(r.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers (inputs already padded to the block multiples).
+
+def _params(warps, stages, interpret):
+  return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _tile_map(part):
+  return lambda i, b, h: (b, i, h, part)
+
+
+def _column_map(part):
+  return lambda i, b, h: (b, 0, h, part)
+
+
+def _tiled(rows, parts):
+  """BlockSpecs of `rows` tokens × each head-dim part, token block = grid axis 0."""
+  return [pl.BlockSpec((None, rows, None, size), _tile_map(off // size)) for off, size in parts]
+
+
+def _whole(t, parts):
+  """BlockSpecs of the whole sequence × each head-dim part of one (batch, head)."""
+  return [pl.BlockSpec((None, t, None, size), _column_map(off // size)) for off, size in parts]
+
+
+def _part_outputs(x_shape, parts, dtype):
+  return [jax.ShapeDtypeStruct(x_shape[:3] + (size,), dtype) for _, size in parts]
+
+
+def _part_out_specs(rows, parts):
+  return [pl.BlockSpec((None, rows, None, size), lambda i, b, h: (b, i, h, 0))
+          for _, size in parts]
+
+
+def _join(outs):
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+
+
+_SCALAR = pl.BlockSpec((None, None), lambda i, b, h: (b, i))
+
+
+def _row_stats_spec(rows):
+  return pl.BlockSpec((None, None, rows), lambda i, b, h: (b, h, i))
+
+
+def _whole_stats_spec(t):
+  return pl.BlockSpec((None, None, t), lambda i, b, h: (b, h, 0))
+
+
+def _forward_call(q, k, v, q_seg, kv_seg, q_last, *, scale, config: Config, interpret):
+  b, tq, h, dk = q.shape
+  tk, dv = k.shape[1], v.shape[3]
+  bq, bk = config.block_q, config.block_k
+  kp, vp = head_parts(dk), head_parts(dv)
+  lo, hi = tiles.key_block_ranges(q_seg, kv_seg, q_last, bq, bk)
+  kernel = functools.partial(_fwd_kernel, nkp=len(kp), nvp=len(vp), scale=scale, block_k=bk,
+                             dtype=q.dtype)
+  in_specs = ([_SCALAR, _SCALAR, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+               pl.BlockSpec((bq,), lambda i, b, h: (i,)),
+               pl.BlockSpec((None, tk), lambda i, b, h: (b, 0))]
+              + _tiled(bq, kp) + _whole(tk, kp) + _whole(tk, vp))
+  stats = jax.ShapeDtypeStruct((b, h, tq), F32)
+  outs = pl.pallas_call(
+      kernel, grid=(tq // bq, b, h), in_specs=in_specs,
+      out_specs=_part_out_specs(bq, vp) + [_row_stats_spec(bq)] * 2,
+      out_shape=_part_outputs(q.shape, vp, q.dtype) + [stats, stats],
+      compiler_params=_params(config.fwd_warps, config.fwd_stages, interpret),
+      interpret=interpret, name="attention_fwd",
+  )(lo, hi, q_seg, q_last, kv_seg, *[q] * len(kp), *[k] * len(kp), *[v] * len(vp))
+  return _join(outs[:-2]), outs[-2], outs[-1]
+
+
+def _backward_call(q, k, v, q_seg, kv_seg, q_last, lse, delta, dout, *, scale, config: Config,
+                   interpret):
+  b, tq, h, dk = q.shape
+  tk, dv = k.shape[1], v.shape[3]
+  kp, vp = head_parts(dk), head_parts(dv)
+  nkp, nvp = len(kp), len(vp)
+  operands = (*[q] * nkp, *[k] * nkp, *[v] * nvp, *[dout] * nvp)
+
+  # dK, dV: one program per key block, grid axis 0 = key block.
+  bq, bk = config.dkv_block_q, config.dkv_block_k
+  lo, hi = tiles.query_block_ranges(q_seg, kv_seg, q_last, bq, bk)
+  kernel = functools.partial(_dkv_kernel, nkp=nkp, nvp=nvp, scale=scale, block_q=bq,
+                             dtype=q.dtype)
+  in_specs = ([_SCALAR, _SCALAR, pl.BlockSpec((None, tq), lambda j, b, h: (b, 0)),
+               pl.BlockSpec((tq,), lambda j, b, h: (0,)),
+               pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+               _whole_stats_spec(tq), _whole_stats_spec(tq)]
+              + _whole(tq, kp) + _tiled(bk, kp) + _tiled(bk, vp) + _whole(tq, vp))
+  grads = pl.pallas_call(
+      kernel, grid=(tk // bk, b, h), in_specs=in_specs,
+      out_specs=_part_out_specs(bk, kp) + _part_out_specs(bk, vp),
+      out_shape=_part_outputs(k.shape, kp, k.dtype) + _part_outputs(v.shape, vp, v.dtype),
+      compiler_params=_params(config.dkv_warps, config.dkv_stages, interpret),
+      interpret=interpret, name="attention_dkv",
+  )(lo, hi, q_seg, q_last, kv_seg, lse, delta, *operands)
+  dk_, dv_ = _join(grads[:nkp]), _join(grads[nkp:])
+
+  # dQ: one program per query block.
+  bq, bk = config.dq_block_q, config.dq_block_k
+  lo, hi = tiles.key_block_ranges(q_seg, kv_seg, q_last, bq, bk)
+  kernel = functools.partial(_dq_kernel, nkp=nkp, nvp=nvp, scale=scale, block_k=bk,
+                             dtype=q.dtype)
+  in_specs = ([_SCALAR, _SCALAR, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+               pl.BlockSpec((bq,), lambda i, b, h: (i,)),
+               pl.BlockSpec((None, tk), lambda i, b, h: (b, 0)),
+               _row_stats_spec(bq), _row_stats_spec(bq)]
+              + _tiled(bq, kp) + _whole(tk, kp) + _whole(tk, vp) + _tiled(bq, vp))
+  dqs = pl.pallas_call(
+      kernel, grid=(tq // bq, b, h), in_specs=in_specs,
+      out_specs=_part_out_specs(bq, kp),
+      out_shape=_part_outputs(q.shape, kp, q.dtype),
+      compiler_params=_params(config.dq_warps, config.dq_stages, interpret),
+      interpret=interpret, name="attention_dq",
+  )(lo, hi, q_seg, q_last, kv_seg, lse, delta, *operands)
+  return _join(dqs), dk_, dv_
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding and the differentiable op.
+
+def _pad_axis1(x, pad, mode="constant", value=0):
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, pad)
+  if mode == "edge":
+    return jnp.pad(x, widths, mode="edge")
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_inputs(q, k, v, q_seg, kv_seg, q_last, config: Config):
+  """Pad Tq / Tk to the block multiples: padding queries see nothing (q_last −1), padding keys
+  lie past every q_last; segment ids repeat the last one to keep the tile ranges tight."""
+  pq = -q.shape[1] % config.query_multiple
+  pk = -k.shape[1] % config.key_multiple
+  q_last = q_last if not pq else jnp.pad(q_last, (0, pq), constant_values=-1)
+  return (_pad_axis1(q, pq), _pad_axis1(k, pk), _pad_axis1(v, pk),
+          _pad_axis1(q_seg, pq, "edge"), _pad_axis1(kv_seg, pk, "edge"), q_last)
+
+
+def _forward(q, k, v, q_seg, kv_seg, q_last, *, scale, options):
+  config, interpret = options
+  tq = q.shape[1]
+  padded = _pad_inputs(q, k, v, q_seg, kv_seg, q_last, config)
+  out, lse, row_max = _forward_call(*padded, scale=scale, config=config, interpret=interpret)
+  return out[:, :tq], lse[..., :tq], row_max[..., :tq]
+
+
+def _backward(q, k, v, q_seg, kv_seg, q_last, out, lse, dout, *, scale, options):
+  config, interpret = options
+  tq, tk = q.shape[1], k.shape[1]
+  delta_bhq = jnp.swapaxes(jnp.sum(dout.astype(F32) * out.astype(F32), axis=3), 1, 2)
+  pq = -tq % config.query_multiple
+  lse, delta_bhq = (jnp.pad(x, ((0, 0), (0, 0), (0, pq))) if pq else x for x in (lse, delta_bhq))
+  padded = _pad_inputs(q, k, v, q_seg, kv_seg, q_last, config)
+  dq, dk, dv = _backward_call(*padded, lse, delta_bhq, _pad_axis1(dout, pq), scale=scale,
+                              config=config, interpret=interpret)
+  return dq[:, :tq], dk[:, :tk], dv[:, :tk]
+
+
+_attention = differentiable_attention(_forward, _backward)
+
+
+def attention_pallas_gpu(q, k, v, q_seg, kv_seg, q_last, *, scale: float,
+                         config: Config | None = None, interpret: bool = False):
+  """(out [B,Tq,H,Dv] in q's dtype, row_max [B,H,Tq] fp32) on the canonical form (op.py),
+  differentiable in q, k, v (custom_vjp, vjp.py)."""
+  config = CONFIG if config is None else config
+  check_supported(q.shape[3], v.shape[3], q.dtype)
+  return _attention(q, k, v, q_seg, kv_seg, q_last, float(scale), (config, bool(interpret)))
