@@ -159,7 +159,7 @@ def attention(q, k, v, segment_ids=None, *, scale, causal: bool = True, q_offset
   static_offset = (int(q_offset) if isinstance(q_offset, numbers.Integral) else None) if causal else 0
   return _blockwise_core(q, k, v, q_seg, kv_seg, jnp.asarray(q_offset, jnp.int32), scale=scale,
                          causal=causal, backend=backend, static_offset=static_offset,
-                         gpu_config=pallas_gpu.CONFIG, tpu_config=pallas_tpu.CONFIG)
+                         gpu_config=pallas_gpu.config_for(q.dtype), tpu_config=pallas_tpu.CONFIG)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal"))

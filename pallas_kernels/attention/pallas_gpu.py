@@ -85,6 +85,15 @@ class Config:
 
 
 CONFIG = Config()
+# fp32 operands take twice the shared memory per tile: smaller tiles, no software pipelining.
+FP32_CONFIG = Config(block_q=64, block_k=32, fwd_warps=4, fwd_stages=1, dkv_block_q=32,
+                     dkv_block_k=32, dkv_warps=4, dkv_stages=1, dq_block_q=32, dq_block_k=32,
+                     dq_warps=4, dq_stages=1)
+
+
+def config_for(dtype) -> Config:
+  """CONFIG for 16-bit inputs, FP32_CONFIG for fp32."""
+  return FP32_CONFIG if jnp.dtype(dtype).itemsize == 4 else CONFIG
 
 
 @contextlib.contextmanager
@@ -208,6 +217,24 @@ def _fwd_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, *refs, nkp, nvp, 
     o_ref[...] = (acc * inv_l[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, -jnp.inf, m_q + jnp.log(jnp.where(empty, 1.0, l_q)))
   m_ref[...] = m_q
+
+
+def _row_max_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, *refs, nkp, scale, block_k,
+                    dtype):
+  """One query block: only the row max of the masked logits (no softmax, no values)."""
+  q_refs, k_refs, (m_ref,) = _split(refs, (nkp, nkp, 1))
+  bq = qseg_ref.shape[0]
+  q_parts = [r[...] for r in q_refs]
+  seg_q, last_q = qseg_ref[...], qlast_ref[...]
+
+  def step(j, m_q):
+    start = pl.multiple_of(j * block_k, block_k)
+    keys = pl.ds(start, block_k)
+    s = _logits(q_parts, [r[keys, :] for r in k_refs], scale, dtype)
+    s = jnp.where(_allowed(seg_q, last_q, kseg_ref[keys], start, block_k), s, -jnp.inf)
+    return jnp.maximum(m_q, jnp.max(s, axis=1))
+
+  m_ref[...] = lax.fori_loop(lo_ref[()], hi_ref[()], step, jnp.full((bq,), -jnp.inf, F32))
 
 
 def _probs(s, ok, lse):
@@ -351,6 +378,26 @@ def _forward_call(q, k, v, q_seg, kv_seg, q_last, *, scale, config: Config, inte
   return _join(outs[:-2]), outs[-2], outs[-1]
 
 
+def _row_max_call(q, k, q_seg, kv_seg, q_last, *, scale, config: Config, interpret):
+  b, tq, h, dk = q.shape
+  tk = k.shape[1]
+  bq, bk = config.block_q, config.block_k
+  kp = head_parts(dk)
+  lo, hi = tiles.key_block_ranges(q_seg, kv_seg, q_last, bq, bk)
+  kernel = functools.partial(_row_max_kernel, nkp=len(kp), scale=scale, block_k=bk,
+                             dtype=q.dtype)
+  in_specs = ([_SCALAR, _SCALAR, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+               pl.BlockSpec((bq,), lambda i, b, h: (i,)),
+               pl.BlockSpec((None, tk), lambda i, b, h: (b, 0))]
+              + _tiled(bq, kp) + _whole(tk, kp))
+  return pl.pallas_call(
+      kernel, grid=(tq // bq, b, h), in_specs=in_specs, out_specs=_row_stats_spec(bq),
+      out_shape=jax.ShapeDtypeStruct((b, h, tq), F32),
+      compiler_params=_params(config.fwd_warps, config.fwd_stages, interpret),
+      interpret=interpret, name="attention_row_max",
+  )(lo, hi, q_seg, q_last, kv_seg, *[q] * len(kp), *[k] * len(kp))
+
+
 def _backward_call(q, k, v, q_seg, kv_seg, q_last, lse, delta, dout, *, scale, config: Config,
                    interpret):
   b, tq, h, dk = q.shape
@@ -448,6 +495,18 @@ def attention_pallas_gpu(q, k, v, q_seg, kv_seg, q_last, *, scale: float,
                          config: Config | None = None, interpret: bool = False):
   """(out [B,Tq,H,Dv] in q's dtype, row_max [B,H,Tq] fp32) on the canonical form (op.py),
   differentiable in q, k, v (custom_vjp, vjp.py)."""
-  config = CONFIG if config is None else config
+  config = config_for(q.dtype) if config is None else config
   check_supported(q.shape[3], v.shape[3], q.dtype)
   return _attention(q, k, v, q_seg, kv_seg, q_last, float(scale), (config, bool(interpret)))
+
+
+def row_max_pallas_gpu(q, k, q_seg, kv_seg, q_last, *, scale: float, config: Config | None = None,
+                       interpret: bool = False):
+  """row_max [B,H,Tq] fp32 only (a max-logit pass for a path whose attention kernel does not
+  report it): the forward's tiles without softmax or values. No gradient."""
+  config = config_for(q.dtype) if config is None else config
+  tq = q.shape[1]
+  q, k, q_seg, kv_seg = (lax.stop_gradient(x) for x in (q, k, q_seg, kv_seg))
+  q, k, _, q_seg, kv_seg, q_last = _pad_inputs(q, k, k[..., :16], q_seg, kv_seg, q_last, config)
+  return _row_max_call(q, k, q_seg, kv_seg, q_last, scale=float(scale), config=config,
+                       interpret=interpret)[..., :tq]
