@@ -2,23 +2,24 @@
 
 One run measures on the same GPU, at B1 H32 Dk192 Dv128 bf16, T 8192 and 32768, with 4 equal
 documents per row and with 1:
-  ours      attention(..., backend="auto") (the Pallas GPU kernels): out and max_logit
-  cudnn     jax.nn.dot_product_attention(implementation="cudnn"), causal, v padded to 192,
-            no document masking (the unmasked lower bound)
-  cudnn_varlen  cuDNN's packed layout (q/kv offsets + seqlens, one segment per document,
-            Dv 128 natively), out only (no max logit)
-  cudnn_varlen+rowmax  the same plus our Pallas max-logit pass (pallas_gpu.row_max_pallas_gpu)
-  jax_mha   jax.experimental.pallas.ops.gpu.attention.mha with segment_ids (v padded)
+  ours[auto], ours[pallas_gpu], ours[cudnn]   attention(..., backend=...): out and max_logit
+  cudnn_nomask  jax.nn.dot_product_attention(implementation="cudnn"), causal, v padded to 192,
+            no document masking (the unmasked reference point)
+  jax_mha   jax.experimental.pallas.ops.gpu.attention.mha with segment_ids (v padded; 64 × 64
+            forward blocks, its default 32 × 32 backward blocks: its 128 × 128 default does not
+            fit the H200's shared memory at head dim 192)
   dense     masked XLA attention as in k3train/model/mla.py (T 8192 only: the logits of T 32768
             are 137 GB)
 each forward and forward+backward (jax.vjp with a fixed random cotangent; ours returns
 max_logit in both). Timing: jit, two warm-up calls, then 5 batches of n back-to-back calls
 (n so a batch lasts ≥ 0.2 s), block_until_ready after each batch; the median per-call time.
-Before that, a numerical check of the GPU path against the xla backend (fp32 and bf16) and
-`--sweep` times kernel block configurations at T 8192, 4 documents.
+Before that: a numerical check of the GPU backends against the xla backend (B2 T1000 H4,
+uneven documents; fp32 and bf16), of the cudnn backend against pallas_gpu at the benchmark
+shape (uneven documents, v native or padded, a repeated id that takes the fallback), and with
+`--sweep` the kernel and cudnn settings at T 8192, 4 documents.
 
 Prints one JSON line per measurement and a table at the end:
-  PYTHONPATH=$PWD python3 benchmarks/attention.py [--sweep] [--quick]
+  PYTHONPATH=$PWD python3 benchmarks/attention.py [--sweep] [--quick] [--skip_check]
 """
 
 from __future__ import annotations
@@ -84,14 +85,17 @@ def inputs(t, dtype=jnp.bfloat16, seed=0, b=1, h=H):
 
 # ----------------------------------------------------------------------------- implementations
 
-def ours_fwd(q, k, v, seg):
-  return attention(q, k, v, seg, scale=SCALE, backend="auto")
+def make_ours(backend):
+  """Fresh functions (so jax.jit traces them anew under each configuration)."""
+  def fwd(q, k, v, seg):
+    return attention(q, k, v, seg, scale=SCALE, backend=backend)
 
+  def fwdbwd(q, k, v, seg, do):
+    (out, ml), vjp = jax.vjp(lambda q, k, v: attention(q, k, v, seg, scale=SCALE,
+                                                         backend=backend), q, k, v)
+    return out, ml, vjp((do, jnp.zeros_like(ml)))
 
-def ours_fwdbwd(q, k, v, seg, do):
-  (out, ml), vjp = jax.vjp(lambda q, k, v: attention(q, k, v, seg, scale=SCALE, backend="auto"),
-                           q, k, v)
-  return out, ml, vjp((do, jnp.zeros_like(ml)))
+  return fwd, fwdbwd
 
 
 def pad_v(v):
@@ -109,49 +113,18 @@ def cudnn_fwdbwd(q, k, v, seg, do):
   return out, vjp(do)
 
 
-def varlen_args(t, docs):
-  from jax._src.cudnn import fused_attention_stablehlo as fa
-  length = t // docs
-  seqlen = jnp.full((1, docs), length, jnp.int32)
-  offsets = jnp.asarray([list(range(0, t, length)) + [-1]], jnp.int32)
-  return fa, seqlen, offsets
-
-
-def make_cudnn_varlen(t, docs):
-  fa, seqlen, offsets = varlen_args(t, docs)
-
-  def fwd(q, k, v, seg):
-    del seg
-    return fa.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
-                                    kv_offsets=offsets, scale=SCALE,
-                                    mask_type=fa.MaskType.CAUSAL)
-
-  def fwdbwd(q, k, v, seg, do):
-    out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, seg), q, k, v)
-    return out, vjp(do)
-
-  return fwd, fwdbwd
-
-
-def row_max(q, k, seg):
-  from pallas_kernels.attention import op
-  t = q.shape[1]
-  seg = jnp.zeros((1, t), jnp.int32) if seg is None else seg
-  return jnp.max(pallas_gpu.row_max_pallas_gpu(q, k, seg, seg, op.last_keys(0, t, t, True),
-                                               scale=SCALE), axis=2)
-
-
-def make_varlen_rowmax(t, docs):
-  vf, vb = make_cudnn_varlen(t, docs)
-  return (lambda q, k, v, seg: (vf(q, k, v, seg), row_max(q, k, seg)),
-          lambda q, k, v, seg, do: (vb(q, k, v, seg, do), row_max(q, k, seg)))
+MHA_BLOCKS = dict(block_q=64, block_k=64, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32,
+                  block_kv_dq=32)
 
 
 def mha_fwd(q, k, v, seg):
+  # Its default 128 × 128 blocks at head dim 192 (padded to 256) ask for more shared memory than
+  # the H200 has; 64 × 64 forward blocks, its default 32 × 32 backward blocks.
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from jax.experimental.pallas.ops.gpu import attention as jax_mha
-  return jax_mha.mha(q, k, pad_v(v), seg, sm_scale=SCALE, causal=True)[..., :DV]
+  return jax_mha.mha(q, k, pad_v(v), seg, sm_scale=SCALE, causal=True,
+                     block_sizes=jax_mha.BlockSizes(**MHA_BLOCKS), num_stages=2)[..., :DV]
 
 
 def mha_fwdbwd(q, k, v, seg, do):
@@ -186,18 +159,56 @@ def numerical_check(quick: bool):
   for dtype in (jnp.float32, jnp.bfloat16):
     q, k, v, do = inputs(t, dtype, seed=1, b=2, h=4)
     res = {}
-    for backend in ("pallas_gpu", "xla"):
+    backends = ("pallas_gpu", "cudnn", "xla") if dtype == jnp.bfloat16 else ("pallas_gpu", "xla")
+    for backend in backends:
       def f(q, k, v, backend=backend):
         (out, ml), vjp = jax.vjp(
             lambda q, k, v: attention(q, k, v, seg, scale=SCALE, backend=backend), q, k, v)
         return (out, ml) + vjp((do, jnp.zeros_like(ml)))
       res[backend] = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(f)(q, k, v)]
-    errs = {name: float(np.max(np.abs(a - b)))
-            for name, a, b in zip(("out", "max_logit", "dq", "dk", "dv"), res["pallas_gpu"],
-                                  res["xla"])}
-    scale = {name: float(np.max(np.abs(b)))
-             for name, b in zip(("out", "max_logit", "dq", "dk", "dv"), res["xla"])}
-    emit(part="check", dtype=jnp.dtype(dtype).name, vs="xla", max_abs_err=errs, max_abs_xla=scale)
+    names = ("out", "max_logit", "dq", "dk", "dv")
+    for backend in backends[:-1]:
+      errs = {n: float(np.max(np.abs(a - b))) for n, a, b in zip(names, res[backend], res["xla"])}
+      emit(part="check", backend=backend, dtype=jnp.dtype(dtype).name, t=t, vs="xla",
+           max_abs_err=errs)
+    emit(part="check", backend="xla", dtype=jnp.dtype(dtype).name, t=t,
+         max_abs=({n: float(np.max(np.abs(b))) for n, b in zip(names, res["xla"])}))
+
+
+def cudnn_check():
+  """The cudnn backend against pallas_gpu at the benchmark shape (bf16, T 8192, H 32): uneven
+  documents, v native and zero-padded, and a row with a repeated id (the pallas fallback)."""
+  from pallas_kernels.attention import cudnn
+  t = 8192
+  q, k, v, do = inputs(t, seed=2)
+  cases = {"uneven": np.repeat([0, 1, 2, 3], [1000, 3000, 192, 4000]),
+           "equal4": doc_segments(t, 4)[0],
+           "repeated_id": np.repeat([0, 1, 0, 2], [1000, 3000, 192, 4000])}
+  names = ("out", "max_logit", "dq", "dk", "dv")
+  for case, seg in cases.items():
+    seg = jnp.asarray(seg[None].astype(np.int32))
+    res = {}
+    for label, backend, cfg in (("pallas_gpu", "pallas_gpu", None),
+                                ("cudnn", "cudnn", dict(pad_v=False)),
+                                ("cudnn_pad_v", "cudnn", dict(pad_v=True))):
+      if case == "repeated_id" and label == "cudnn_pad_v":
+        continue
+      saved = cudnn.CONFIG
+      if cfg:
+        cudnn.CONFIG = cudnn.Config(**cfg)
+      try:
+        _, fb = make_ours(backend)
+        out, ml, grads = jax.jit(fb)(q, k, v, seg, do)
+        res[label] = [np.asarray(x.astype(jnp.float32)) for x in (out, ml) + tuple(grads)]
+      except Exception as e:  # noqa: BLE001
+        emit(part="cudnn_check", case=case, impl=label, error=repr(e)[:300])
+      finally:
+        cudnn.CONFIG = saved
+    for label in res:
+      if label != "pallas_gpu" and "pallas_gpu" in res:
+        errs = {n: float(np.max(np.abs(a - b))) for n, a, b in zip(names, res[label],
+                                                                    res["pallas_gpu"])}
+        emit(part="cudnn_check", case=case, impl=label, vs="pallas_gpu", max_abs_err=errs)
 
 
 SWEEP_FWD = [dict(block_q=128, block_k=64, fwd_warps=8, fwd_stages=3),
@@ -222,17 +233,32 @@ def sweep():
   for cfg in SWEEP_FWD:
     try:
       with pallas_gpu.configured(**cfg):
-        ms = 1e3 * bench(jax.jit(ours_fwd), q, k, v, seg)
+        ms = 1e3 * bench(jax.jit(make_ours("pallas_gpu")[0]), q, k, v, seg)
       emit(part="sweep", what="fwd", t=t, docs=docs, config=cfg, ms=round(ms, 4))
     except Exception as e:  # noqa: BLE001
       emit(part="sweep", what="fwd", t=t, docs=docs, config=cfg, error=repr(e)[:300])
   for cfg in SWEEP_BWD:
     try:
       with pallas_gpu.configured(**cfg):
-        ms = 1e3 * bench(jax.jit(ours_fwdbwd), q, k, v, seg, do)
+        ms = 1e3 * bench(jax.jit(make_ours("pallas_gpu")[1]), q, k, v, seg, do)
       emit(part="sweep", what="fwd+bwd", t=t, docs=docs, config=cfg, ms=round(ms, 4))
     except Exception as e:  # noqa: BLE001
       emit(part="sweep", what="fwd+bwd", t=t, docs=docs, config=cfg, error=repr(e)[:300])
+  from pallas_kernels.attention import cudnn
+  for cfg in (dict(max_segments=4), dict(max_segments=16), dict(max_segments=64),
+              dict(max_segments=16, pad_v=True)):
+    saved = cudnn.CONFIG
+    cudnn.CONFIG = cudnn.Config(**cfg)
+    try:
+      fw, fb = make_ours("cudnn")
+      ms_f = 1e3 * bench(jax.jit(fw), q, k, v, seg)
+      ms_b = 1e3 * bench(jax.jit(fb), q, k, v, seg, do)
+      emit(part="sweep", what="cudnn", t=t, docs=docs, config=cfg, fwd_ms=round(ms_f, 4),
+           fwdbwd_ms=round(ms_b, 4))
+    except Exception as e:  # noqa: BLE001
+      emit(part="sweep", what="cudnn", t=t, docs=docs, config=cfg, error=repr(e)[:300])
+    finally:
+      cudnn.CONFIG = saved
 
 
 def measure(name, t, docs, fwd, fwdbwd, args_fwd, args_bwd):
@@ -249,13 +275,11 @@ def main_table(lengths, quick: bool):
     q, k, v, do = inputs(t)
     for docs in (4, 1):
       seg = jnp.asarray(doc_segments(t, docs))
-      measure("ours", t, docs, ours_fwd, ours_fwdbwd, (q, k, v, seg), (q, k, v, seg, do))
+      for backend in ("auto", "pallas_gpu", "cudnn"):
+        measure(f"ours[{backend}]", t, docs, *make_ours(backend), (q, k, v, seg),
+                (q, k, v, seg, do))
       if quick:
         continue
-      vf, vb = make_cudnn_varlen(t, docs)
-      measure("cudnn_varlen", t, docs, vf, vb, (q, k, v, seg), (q, k, v, seg, do))
-      vf, vb = make_varlen_rowmax(t, docs)
-      measure("cudnn_varlen+rowmax", t, docs, vf, vb, (q, k, v, seg), (q, k, v, seg, do))
       if docs == 4:
         measure("jax_mha", t, docs, mha_fwd, mha_fwdbwd, (q, k, v, seg), (q, k, v, seg, do))
         if t <= 8192:
@@ -296,6 +320,7 @@ def main():
        jax=jax.__version__, jaxlib=jaxlib.__version__,
        cudnn=cudnn, gpu_config=str(pallas_gpu.CONFIG))
   for name, fn in (("check", lambda: None if a.skip_check else numerical_check(a.quick)),
+                   ("cudnn_check", lambda: None if a.skip_check else cudnn_check()),
                    ("sweep", lambda: sweep() if a.sweep else None),
                    ("table", lambda: main_table([int(x) for x in a.lengths.split(",")], a.quick))):
     t0 = time.time()

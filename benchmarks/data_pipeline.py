@@ -1,49 +1,57 @@
-"""Input-pipeline throughput per host: text tokens/s and images/s, vs. one H200's consumption.
+"""Input-pipeline throughput per host: text tokens/s and images/s, against one device's
+consumption.
 
-  python benchmarks/data_pipeline.py [--seconds 20] [--workers 0 2]
+  python benchmarks/data_pipeline.py --config=configs/k3_h200.py [--seconds=20] [--workers=0,2]
 
-Text: the embedded stdlib corpus and synthetic text, seq_len 4096, per-host batch 8, tokenized
-by the shipped BPE and packed (the same pipeline the trainer uses). Images: synthetic
-image-caption documents (16 pre-encoded JPEG/PNG of 200–900 px, decoded, resized to multiples
-of 28 px, patchified) with data.vision.enabled. Each configuration runs with data.num_workers = 0
-(in-process, data.num_threads reader threads) and with grain mp_prefetch worker processes.
+The pipeline is the trainer's own (`k3train.data.pipeline`) with the config's `data` section
+(tokenizer, seq_len, vision limits), per-host batch 8. Sources: the embedded stdlib corpus,
+synthetic text, and synthetic image-caption documents (16 pre-encoded JPEG/PNG of 200–900 px,
+decoded, resized to multiples of 28 px, patchified) with data.vision.enabled. Each source runs
+with each `--workers` count as data.num_workers: 0 is in-process with 2 reader threads
+(data.num_threads), more is grain mp_prefetch worker processes with 1 thread each.
 
-Consumption: tokens/s one H200 trains k3_h200 at an assumed 40 % MFU of 989 TFLOP/s (dense
-bf16), from k3train.train.metrics' FLOPs-per-token formula. Prints a markdown table.
+Consumption: tokens/s one device trains the config's model at an assumed 40 % MFU of
+train.peak_flops_per_device (989 TFLOP/s, dense bf16 H200, in k3_h200), from the train loop's
+FLOPs-per-token formula (`builder.model_size`). Prints a markdown table.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
+from absl import flags
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from k3train import config as config_lib  # noqa: E402
+from k3train import cli  # noqa: E402
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from k3train.data import pipeline  # noqa: E402
-from k3train.model.counting import count  # noqa: E402
-from k3train.train import metrics as metrics_lib  # noqa: E402
-
+PROG = "python benchmarks/data_pipeline.py"
 MFU = 0.40
-PEAK = 989e12
+BATCH_PER_HOST = 8
+SOURCES = [("python_stdlib", False), ("synthetic_text", False), ("synthetic_images", True)]
 
 
-def h200_tokens_per_s() -> tuple[float, float]:
-  cfg = config_lib.load_file(os.path.join(_REPO, "configs", "k3_h200.py"))
-  c = count(cfg)
-  fpt = metrics_lib.train_flops_per_token(cfg, c["active_params"],
-                                          c["components"].get("embedding", {}).get("params", 0),
-                                          cfg.data.seq_len)
-  return MFU * PEAK / fpt, fpt
+def define(fv: flags.FlagValues) -> None:
+  flags.DEFINE_float("seconds", 20.0, "measured seconds per row of the table", lower_bound=0.0,
+                     flag_values=fv)
+  flags.DEFINE_list("workers", ["0", "2"], "data.num_workers values to measure (comma-separated; "
+                    "0 = in-process)", flag_values=fv)
 
 
-def measure(sources, *, workers: int, threads: int, vision: bool, seconds: float, batch: int = 8):
-  cfg = config_lib.load_file(os.path.join(_REPO, "configs", "k3_full.py")).data
-  cfg.sources, cfg.weights = tuple(sources), tuple(1.0 for _ in sources)
+def device_tokens_per_s(cfg) -> tuple[float, float]:
+  """(tokens/s one device trains at MFU, training FLOPs per token)."""
+  from k3train.train import builder
+  fpt = builder.model_size(cfg).flops_per_token
+  return MFU * cfg.train.peak_flops_per_device / fpt, fpt
+
+
+def measure(data_cfg, source: str, *, workers: int, threads: int, vision: bool, seconds: float,
+            batch: int = BATCH_PER_HOST) -> dict:
+  from k3train.data import pipeline
+  cfg = data_cfg.copy_and_resolve_references()
+  cfg.sources, cfg.weights = (source,), (1.0,)
   cfg.num_workers, cfg.num_threads, cfg.vision.enabled = workers, threads, vision
   it = pipeline.make_iterator(cfg, batch_size=batch, seed=0)
   try:
@@ -63,25 +71,33 @@ def measure(sources, *, workers: int, threads: int, vision: bool, seconds: float
     it.close()
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--seconds", type=float, default=20.0)
-  ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-  args = ap.parse_args()
-  consume, fpt = h200_tokens_per_s()
-  print(f"k3_h200: {fpt:.3g} training FLOPs/token -> {consume:,.0f} tokens/s per H200 at "
-        f"{MFU:.0%} MFU of {PEAK / 1e12:.0f} TFLOP/s; goal >= 3x = {3 * consume:,.0f} tokens/s\n")
-  print("| source | workers | threads | tokens/s | images/s | padding | headroom vs 1 H200 |")
+def main(argv=None) -> int:
+  args = cli.parse(argv, PROG, define=define)
+  if args.exit_code is not None:
+    return args.exit_code
+  cfg, f = args.config, args.flags
+  try:
+    workers = [int(w) for w in f.workers]
+    if any(w < 0 for w in workers):
+      raise ValueError
+  except ValueError:
+    cli.error(PROG, f"--workers must be non-negative integers, got {','.join(f.workers)}")
+    return cli.USAGE_ERROR
+  consume, fpt = device_tokens_per_s(cfg)
+  peak = cfg.train.peak_flops_per_device
+  print(f"{f['config'].config_filename}: {fpt:.3g} training FLOPs/token -> {consume:,.0f} "
+        f"tokens/s per device at {MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s; goal >= 3x = "
+        f"{3 * consume:,.0f} tokens/s\n")
+  print("| source | workers | threads | tokens/s | images/s | padding | headroom vs 1 device |")
   print("|---|---|---|---|---|---|---|")
-  for name, srcs, vision in [("python_stdlib", ["python_stdlib"], False),
-                             ("synthetic_text", ["synthetic_text"], False),
-                             ("synthetic_images", ["synthetic_images"], True)]:
-    for w in args.workers:
+  for source, vision in SOURCES:
+    for w in workers:
       threads = 2 if w == 0 else 1
-      r = measure(srcs, workers=w, threads=threads, vision=vision, seconds=args.seconds)
-      print(f"| {name} | {w} | {threads} | {r['tokens_per_s']:,.0f} | {r['images_per_s']:,.1f} | "
+      r = measure(cfg.data, source, workers=w, threads=threads, vision=vision, seconds=f.seconds)
+      print(f"| {source} | {w} | {threads} | {r['tokens_per_s']:,.0f} | {r['images_per_s']:,.1f} | "
             f"{r['padding']:.3f} | {r['tokens_per_s'] / consume:.1f}x |", flush=True)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

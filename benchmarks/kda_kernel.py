@@ -1,7 +1,12 @@
 """KDA chunk kernels on one GPU: correctness vs the reference, then timings vs fla's chunk_kda.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_kernel.py [--shapes=2x8192x16,1x8192x96]
-      [--variants=fused,split] [--check-variants=fused,split] [--skip=jax,fla_check]
+      [--variants=fused,split] [--check_variants=fused,split] [--skip=jax,fla_check]
+      [--config=configs/k3_h200.py]
+
+With --config and no --shapes the one shape timed is the config's KDA layer on one sequence,
+1 × data.seq_len × model.kda.num_heads; the config's model.kda.head_dim and chunk_size must be the
+K = V = 128 and chunk 64 timed here (as in kda_profile.py and kda_trace.py).
 
 pallas_gpu variants (pallas_gpu.py): "fused" (the defaults: the forward state pass fused or split
 by grid size) or "split" (the forward state pass split whatever the grid [split_fwd]), with
@@ -20,7 +25,7 @@ options joined by "-" (pallas_gpu.Settings fields in brackets):
   inverse, W/U and backward kernels [intra_bk, intra_warps, intra_stages]).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
-1. Checks (printed as max abs errors): pallas_gpu (each --check-variants) against the fp32 token
+1. Checks (printed as max abs errors): pallas_gpu (each --check_variants) against the fp32 token
    recurrence ("reference")
    on a ragged T with mid-chunk segment resets and a non-zero initial state, in fp32 (IEEE dots)
    and in bf16 (reference run in fp32 on the same bf16-rounded inputs): outputs, final state and
@@ -38,7 +43,6 @@ Prints the log and a markdown table (ms, and × fla) at the end; --json dumps th
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -54,9 +58,41 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import _flags  # noqa: E402
 from pallas_kernels.kda import kda, pallas_gpu  # noqa: E402
 
+PROG = "python benchmarks/kda_kernel.py"
 K = V = 128
+CHUNK = 64          # kda's default chunk_size, used by every call here
+
+FLAGS = (
+    _flags.Flag("shapes", "list", ["2x8192x16", "1x8192x96"],
+                "B×T×H to time (K = V = 128); with --config and no --shapes, "
+                "1 × data.seq_len × model.kda.num_heads"),
+    _flags.Flag("variants", "list", ["fused", "split"],
+                "pallas_gpu variants to time (see the module docstring)"),
+    _flags.Flag("check_variants", "list", ["fused", "split"],
+                "pallas_gpu variants to check against the reference"),
+    _flags.Flag("skip", "list", [], "any of: check,fla_check,fla,pallas_gpu,jax"),
+    _flags.Flag("json", "str", "", "write the timings to this JSON file"),
+    _flags.Flag("compile_workers", "int", 8,
+                "threads compiling the pallas_gpu variants of a shape before timing them"),
+)
+
+
+def shapes_of(args) -> list[str]:
+  """--shapes, or with --config and no --shapes the config's KDA layer on one sequence. Raises
+  ValueError when the config's head_dim or chunk_size is not the one these benchmarks time."""
+  cfg = args.config
+  if cfg is None:
+    return list(args.flags.shapes)
+  kda_cfg = cfg.model.kda
+  if (kda_cfg.head_dim, kda_cfg.chunk_size) != (K, CHUNK):
+    raise ValueError(f"model.kda.head_dim={kda_cfg.head_dim} chunk_size={kda_cfg.chunk_size}: "
+                     f"these benchmarks time head_dim {K}, chunk {CHUNK}")
+  if "shapes" in args.given:
+    return list(args.flags.shapes)
+  return [f"1x{cfg.data.seq_len}x{kda_cfg.num_heads}"]
 
 
 def _inputs(rng, b, t, h, dtype):
@@ -308,23 +344,21 @@ def _table(shapes, names, results):
   return "\n".join(rows)
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--shapes", default="2x8192x16,1x8192x96")
-  ap.add_argument("--variants", default="fused,split",
-                  help="pallas_gpu variants to time (see the module docstring)")
-  ap.add_argument("--check-variants", default="fused,split",
-                  help="pallas_gpu variants to check against the reference")
-  ap.add_argument("--skip", default="", help="comma list of: check,fla_check,fla,pallas_gpu,jax")
-  ap.add_argument("--json", default="")
-  ap.add_argument("--compile-workers", type=int, default=8,
-                  help="threads compiling the pallas_gpu variants of a shape before timing them")
-  a = ap.parse_args()
-  skip = set(filter(None, a.skip.split(",")))
-  variants = [v for v in a.variants.split(",") if v]
-  check_variants = [v for v in a.check_variants.split(",") if v]
-  for v in variants + check_variants:
-    parse_variant(v)                    # bad names fail before any device time is spent
+def main(argv=None) -> int:
+  args = _flags.parse(argv, PROG, FLAGS)
+  if args.exit_code is not None:
+    return args.exit_code
+  f = args.flags
+  try:
+    shapes = shapes_of(args)
+    variants = [v for v in f.variants if v]
+    check_variants = [v for v in f.check_variants if v]
+    for v in variants + check_variants:
+      parse_variant(v)                  # bad names fail before any device time is spent
+  except ValueError as e:
+    _flags.error(PROG, str(e))
+    return _flags.USAGE_ERROR
+  skip = set(filter(None, f.skip))
   lines = [f"jax {jax.__version__} devices {jax.devices()}"]
   try:
     import torch
@@ -345,7 +379,6 @@ def main():
   entries = [(f"pallas_gpu[{v}]", v) for v in variants] + [("jax", None), ("fla", None)]
   entries = [(n, v) for n, v in entries if n.split("[")[0] not in skip]
   rng = np.random.default_rng(1)
-  shapes = a.shapes.split(",")
   for shape in shapes:
     b, t, h = map(int, shape.split("x"))
     np_in = _inputs(rng, b, t, h, "bf16")
@@ -355,9 +388,9 @@ def main():
     compiled = compile_parallel(
         [((variant, i), parse_variant(variant), fn, arrays) for name, variant in entries
          if variant is not None
-         for i, fn in enumerate(jax_calls("pallas_gpu", arrays[2].shape))], a.compile_workers)
+         for i, fn in enumerate(jax_calls("pallas_gpu", arrays[2].shape))], f.compile_workers)
     lines.append(f"compile {shape}: {len(compiled)} executables in "
-                 f"{time.perf_counter() - start:.0f} s ({a.compile_workers} threads)")
+                 f"{time.perf_counter() - start:.0f} s ({f.compile_workers} threads)")
     print(lines[-1], flush=True)
     for name, variant in entries:
       start = time.perf_counter()
@@ -380,10 +413,11 @@ def main():
       print(line, flush=True)
   print("\n==== summary ====\n" + "\n".join(lines))
   print("\n" + _table(shapes, [n for n, _ in entries], results))
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump({f"{s}/{n}": r for (s, n), r in results.items()}, f, indent=1)
+  if f.json:
+    with open(f.json, "w") as out:
+      json.dump({f"{s}/{n}": r for (s, n), r in results.items()}, out, indent=1)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

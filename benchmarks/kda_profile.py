@@ -1,17 +1,19 @@
 """Per-kernel timings of the pallas_gpu KDA op on one GPU, to see where the time goes.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_profile.py [--shapes=2x8192x16]
+      [--variants=fused,split] [--intra_variants=default,sw4-ibk16-iw8] [--config=FILE]
+  JAX_PLATFORMS=cpu python benchmarks/kda_profile.py --interpret --shapes=1x128x1 \
+      --variants=fused                                             # CPU check of the script
 
 For each B×T×H (K = V = 128, bf16, chunk 64) times every launcher of pallas_gpu.py on its own
 (intra, the state passes for each --variants — with a split forward also its sequential and
 output parts —, chunk_bwd, intra_bwd) and the XLA glue (chunk cumsum, state decay), each as the
 median of 5 repeats of a 10-call loop after warm-up. The per-kernel sum against the whole op shows
-what the glue costs.
+what the glue costs. --config picks the shape as in kda_kernel.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -23,13 +25,25 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kda_kernel import (_inputs, median_call_ms, parse_options,  # noqa: E402
-                                   parse_variant)
+from benchmarks import _flags  # noqa: E402
+from benchmarks.kda_kernel import (CHUNK, _inputs, median_call_ms, parse_options,  # noqa: E402
+                                   parse_variant, shapes_of)
 from pallas_kernels.kda import intra as intra_lib  # noqa: E402
 from pallas_kernels.kda import pallas_gpu as pg  # noqa: E402
 
-C = 64
+PROG = "python benchmarks/kda_profile.py"
+C = CHUNK
 F32 = jnp.float32
+
+FLAGS = (
+    _flags.Flag("shapes", "list", ["2x8192x16"],
+                "B×T×H to profile (K = V = 128); with --config and no --shapes, "
+                "1 × data.seq_len × model.kda.num_heads"),
+    _flags.Flag("variants", "list", ["fused", "split"], "kda_kernel.py variant names"),
+    _flags.Flag("intra_variants", "list", ["default"],
+                "'default' or '-'-joined options of kda_kernel.py's variants (e.g. sw4-ibk16-iw8)"),
+    _flags.Flag("interpret", "bool", False, "CPU smoke test of this script"),
+)
 
 
 def profile(b, t, h, lines, variants, intra_variants, interpret=False):
@@ -91,26 +105,28 @@ def profile(b, t, h, lines, variants, intra_variants, interpret=False):
           q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, ddelta, dqg, dkt, dd, d)
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--shapes", default="2x8192x16")
-  ap.add_argument("--variants", default="fused,split", help="kda_kernel.py variant names")
-  ap.add_argument("--intra-variants", default="default",
-                  help="comma list of 'default' or '-'-joined options of kda_kernel.py's variants "
-                       "(e.g. sw4-ibk16-iw8)")
-  ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
-  a = ap.parse_args()
-  variants = [(v, parse_variant(v)) for v in a.variants.split(",")]
-  intra_variants = [(v, {} if v == "default" else parse_options(v, v.split("-")))
-                    for v in a.intra_variants.split(",")]
+def main(argv=None) -> int:
+  args = _flags.parse(argv, PROG, FLAGS)
+  if args.exit_code is not None:
+    return args.exit_code
+  f = args.flags
+  try:
+    shapes = shapes_of(args)
+    variants = [(v, parse_variant(v)) for v in f.variants]
+    intra_variants = [(v, {} if v == "default" else parse_options(v, v.split("-")))
+                      for v in f.intra_variants]
+  except ValueError as e:
+    _flags.error(PROG, str(e))
+    return _flags.USAGE_ERROR
   lines = [f"jax {jax.__version__} {jax.devices()}"]
-  for shape in a.shapes.split(","):
+  for shape in shapes:
     b, t, h = map(int, shape.split("x"))
     start = time.perf_counter()
-    profile(b, t, h, lines, variants, intra_variants, a.interpret)
+    profile(b, t, h, lines, variants, intra_variants, f.interpret)
     lines.append(f"{shape} took {time.perf_counter() - start:.0f} s")
   print("\n==== summary ====\n" + "\n".join(lines))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -1,20 +1,20 @@
 """Per-kernel GPU times of the whole pallas_gpu KDA forward + backward, from one profiler trace.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/kda_trace.py [--shapes=2x8192x16]
-      [--variants=fused,fused-sw4] [--calls=5] [--fla]
+      [--variants=fused,fused-sw4] [--calls=5] [--fla] [--config=FILE]
 
 For each shape and variant (kda_kernel.py's spelling) jits forward+backward (Σo and its
 gradients wrt q, k, v, g, beta; bf16, K = V = 128, chunk 64; all variants of a shape compiled at
-once in `--compile-workers` threads), warms up, records `--calls` calls under
+once in `--compile_workers` threads), warms up, records `--calls` calls under
 `jax.profiler.trace(create_perfetto_trace=True)` and sums the device-side duration of every
 kernel by name (XLA fusions and the Pallas kernels alike), per call. Unlike kda_profile.py, which
 times each launcher alone, this sees the op as the training step runs it, glue included. With
 --fla, fla's chunk_kda goes through torch.profiler the same way (its autotuning takes minutes).
+--config picks the shape as in kda_kernel.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -30,8 +30,23 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import _flags  # noqa: E402
 from benchmarks.kda_kernel import (_inputs, compile_parallel, fla_calls, jax_calls,  # noqa: E402
-                                   parse_variant)
+                                   parse_variant, shapes_of)
+
+PROG = "python benchmarks/kda_trace.py"
+
+FLAGS = (
+    _flags.Flag("shapes", "list", ["2x8192x16"],
+                "B×T×H to trace (K = V = 128); with --config and no --shapes, "
+                "1 × data.seq_len × model.kda.num_heads"),
+    _flags.Flag("variants", "list", ["fused"], "kda_kernel.py variant names"),
+    _flags.Flag("calls", "int", 5, "forward + backward calls recorded in the trace"),
+    _flags.Flag("fla", "bool", False, "also trace fla's chunk_kda"),
+    _flags.Flag("marker", "str", "GPU", "process-name marker of device events"),
+    _flags.Flag("backend", "str", "pallas_gpu", "kda backend traced"),
+    _flags.Flag("compile_workers", "int", 8, "threads compiling the variants of a shape"),
+)
 
 
 def device_kernel_us(trace_path: str, device_marker: str) -> dict[str, float]:
@@ -101,33 +116,34 @@ def report(label, totals, calls, lines, top=30):
   print("\n".join(lines[first:]), flush=True)
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--shapes", default="2x8192x16")
-  ap.add_argument("--variants", default="fused")
-  ap.add_argument("--calls", type=int, default=5)
-  ap.add_argument("--fla", action="store_true")
-  ap.add_argument("--marker", default="GPU", help="process-name marker of device events")
-  ap.add_argument("--backend", default="pallas_gpu")
-  ap.add_argument("--compile-workers", type=int, default=8)
-  a = ap.parse_args()
-  variants = [v for v in a.variants.split(",") if v]
-  for v in variants:
-    parse_variant(v)
+def main(argv=None) -> int:
+  args = _flags.parse(argv, PROG, FLAGS)
+  if args.exit_code is not None:
+    return args.exit_code
+  a = args.flags
+  try:
+    shapes = shapes_of(args)
+    variants = [v for v in a.variants if v]
+    for v in variants:
+      parse_variant(v)
+  except ValueError as e:
+    _flags.error(PROG, str(e))
+    return _flags.USAGE_ERROR
   lines = [f"jax {jax.__version__} {jax.devices()}"]
   rng = np.random.default_rng(1)
-  for shape in a.shapes.split(","):
+  for shape in shapes:
     b, t, h = map(int, shape.split("x"))
     np_in = _inputs(rng, b, t, h, "bf16")
-    args = tuple(jnp.asarray(x, jnp.float32 if i == 3 else jnp.bfloat16)
-                 for i, x in enumerate(np_in))
-    compiled = compile_parallel([(v, parse_variant(v), jax_calls(a.backend, args[2].shape)[1],
-                                  args) for v in variants], a.compile_workers)
+    arrays = tuple(jnp.asarray(x, jnp.float32 if i == 3 else jnp.bfloat16)
+                   for i, x in enumerate(np_in))
+    compiled = compile_parallel(   # a fresh jit per variant: each traces under its settings
+        [(v, parse_variant(v), jax_calls(a.backend, arrays[2].shape)[1], arrays)
+         for v in variants], a.compile_workers)
     for v in variants:
       try:
         if v not in compiled:
           raise RuntimeError(f"{v} did not compile (see the compile line above)")
-        totals = trace_jax(compiled[v], args, a.calls, a.marker)
+        totals = trace_jax(compiled[v], arrays, a.calls, a.marker)
         report(f"{shape} {a.backend}[{v}]", totals, a.calls, lines)
       except Exception:
         lines.append(f"{shape} {v} FAILED: {traceback.format_exc()[-1500:]}")
@@ -139,7 +155,8 @@ def main():
         lines.append(f"{shape} fla FAILED: {traceback.format_exc()[-1500:]}")
         print(lines[-1], flush=True)
   print("\n==== summary ====\n" + "\n".join(lines))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -2,9 +2,10 @@
 
   pip install --target /tmp/tri triton==3.6.0          # once; not a k3train dependency
   JAX_PLATFORMS=cpu python benchmarks/kda_triton_stats.py [--dtype=bf16|fp32] \
-      [--set strip_warps=4 --set intra_warps=8 ...] [--triton=/tmp/tri]
+      [--set=strip_warps=4 --set=intra_warps=8 ...] [--triton=/tmp/tri] [--config=FILE]
 
-Lowers the KDA forward + backward (B1 T256 H2, K = V = 128, chunk 64) for CUDA on the CPU, keeps
+Lowers the KDA forward + backward (B1 T256 H2, K = V = 128, chunk 64; with --config K = V =
+model.kda.head_dim and the chunk model.kda.chunk_size) for CUDA on the CPU, keeps
 the Triton IR of every pallas_call, compiles each with the `triton` package for sm_90 at the
 kernel's num_warps and num_stages (as its launcher set them), and prints per kernel: registers,
 spill bytes (ptxas -v), shared memory, how many of its programs one SM holds at once, and SASS
@@ -17,7 +18,6 @@ memory before a GPU run decides (benchmarks/kda_profile.py).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -31,8 +31,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
 
+from benchmarks import _flags  # noqa: E402
 from pallas_kernels.kda import pallas_gpu  # noqa: E402
 from pallas_kernels.kda.vjp import kda_pallas  # noqa: E402
+
+PROG = "python benchmarks/kda_triton_stats.py"
+
+FLAGS = (
+    _flags.Flag("dtype", "enum", "bf16", "q, k, v dtype", choices=("bf16", "fp32")),
+    _flags.Flag("set", "multi", [], "pallas_gpu.configured key=value (repeat the flag)"),
+    _flags.Flag("triton", "str", "/tmp/tri", "where `pip install --target` put triton"),
+)
 
 SASS_COUNTS = dict(sass=r"/\*[0-9a-f]{4,}\*/", mma=r"HMMA|HGMMA", bar=r"BAR", sts=r"STS",
                    lds=r"LDS", mufu=r"MUFU", ldl=r"LDL", stl=r"STL", ldg=r"LDG", stg=r"STG")
@@ -48,9 +57,9 @@ def _launch_params(frame) -> tuple[int, int]:
                        "was written against jax 0.10.2") from None
 
 
-def dump_ttir(dtype, out_dir: str) -> list[tuple[str, int, int]]:
-  """Lower fwd + bwd for CUDA and write each kernel's Triton IR; returns (path, num_warps,
-  num_stages) per kernel."""
+def dump_ttir(dtype, out_dir: str, d: int = 128, chunk: int = 64) -> list[tuple[str, int, int]]:
+  """Lower fwd + bwd (K = V = d) for CUDA and write each kernel's Triton IR; returns (path,
+  num_warps, num_stages) per kernel."""
   lower = registration.lowering.lower_jaxpr_to_triton_module
   found = []
 
@@ -63,7 +72,7 @@ def dump_ttir(dtype, out_dir: str) -> list[tuple[str, int, int]]:
     found.append((path, *_launch_params(sys._getframe(1))))
     return result
 
-  b, t, h, d = 1, 256, 2, 128
+  b, t, h = 1, 256, 2
   x = jnp.ones((b, t, h, d), dtype)
   g = jnp.zeros((b, t, h, d), jnp.float32)
   beta = jnp.ones((b, t, h), jnp.float32)
@@ -71,7 +80,7 @@ def dump_ttir(dtype, out_dir: str) -> list[tuple[str, int, int]]:
   cnt = jnp.zeros((b, t), jnp.float32)
 
   def loss(q, k, v, g, beta):
-    return jnp.sum(kda_pallas(q, k, v, g, beta, s0, cnt, d ** -0.5, 64, "gpu", False)[0])
+    return jnp.sum(kda_pallas(q, k, v, g, beta, s0, cnt, d ** -0.5, chunk, "gpu", False)[0])
 
   registration.lowering.lower_jaxpr_to_triton_module = keep
   try:
@@ -145,24 +154,28 @@ def _parse_set(items):
   return kw
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-  ap.add_argument("--set", action="append", default=[], help="pallas_gpu.configured key=value")
-  ap.add_argument("--triton", default="/tmp/tri", help="where `pip install --target` put triton")
-  a = ap.parse_args()
+def main(argv=None) -> int:
+  args = _flags.parse(argv, PROG, FLAGS)
+  if args.exit_code is not None:
+    return args.exit_code
+  a = args.flags
+  d, chunk, shape = 128, 64, ""
+  if args.config is not None:
+    d, chunk = args.config.model.kda.head_dim, args.config.model.kda.chunk_size
+    shape = f" K=V={d} chunk {chunk}"
   sys.path.insert(0, a.triton)
   bin_dir = os.path.join(a.triton, "triton", "backends", "nvidia", "bin")
   dtype = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32
   with tempfile.TemporaryDirectory() as out_dir, pallas_gpu.configured(**_parse_set(a.set)):
-    kernels = dump_ttir(dtype, out_dir)
-    print(f"{a.dtype} {' '.join(a.set) or 'defaults'}")
+    kernels = dump_ttir(dtype, out_dir, d, chunk)
+    print(f"{a.dtype}{shape} {' '.join(a.set) or 'defaults'}")
     for path, warps, stages in kernels:
       try:
         print(compile_stats(path, warps, stages, bin_dir), flush=True)
       except Exception as e:  # report and go on with the other kernels
         print(f"{os.path.basename(path)} FAILED: {str(e)[-400:]}", flush=True)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

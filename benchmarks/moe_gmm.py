@@ -8,13 +8,17 @@ multinomial, seed 0). bf16 in, fp32 accumulation, bf16 out. First a numerical ch
 against ragged_dot (relative Frobenius error; poisoned outputs would show as NaN/huge).
 
 Run on the device (tokamax and its missing deps as wheels in .whl; an empty `xprof` stand-in):
-  python3 benchmarks/moe_gmm.py [--quick]
+  python3 benchmarks/moe_gmm.py [--quick] [--max_seconds=420] [--config=configs/k3_h200.py]
+With --config the two cases are that config's experts instead: G = model.moe.num_experts (all of
+them on the one GPU), gate+up (K = latent_dim, N = 2·expert_hidden) and down (K = expert_hidden,
+N = latent_dim), M = data.seq_len × model.moe.top_k rows (one sequence's routed tokens).
+Each part (the numerical check, then each case) runs in its own process, so a GPU fault stays
+local; no new part starts after --max_seconds.
 Prints a table; results are recorded by hand in benchmarks/moe_gmm.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -28,10 +32,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax                                    # noqa: E402
 import jax.numpy as jnp                       # noqa: E402
 
+from benchmarks import _flags                 # noqa: E402
 from pallas_kernels.moe import pallas_gpu     # noqa: E402
 from pallas_kernels.moe.pallas_gpu import gmm_pallas_gpu   # noqa: E402
 
+PROG = "python3 benchmarks/moe_gmm.py"
 T_START = time.time()
+M_ROWS = 32768
+
+FLAGS = (
+    _flags.Flag("quick", "bool", False, "the first case only (G=8 gate+up; with --config gate+up)"),
+    _flags.Flag("max_seconds", "float", 420.0, "start no new part or case after this many seconds"),
+    _flags.Flag("part", "str", None, "numerics | case index (internal: one subprocess)"),
+)
 
 
 def log(*a):
@@ -108,14 +121,20 @@ def numerics(key, m, k, n, sizes, dtype, cfg):
               tail_zero=tail_zero, empty_zero=empty_zero)
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--quick", action="store_true", help="G=8 gate+up only")
-  ap.add_argument("--budget_s", type=float, default=420.0, help="stop starting new cases after")
-  ap.add_argument("--part", default=None, help="numerics | case index (internal: one subprocess)")
-  args = ap.parse_args()
-  if args.part is None:      # driver: each part in its own process, so a GPU fault stays local
-    return drive(args)
+def main(argv=None) -> int:
+  argv = list(sys.argv if argv is None else argv)
+  args = _flags.parse(argv, PROG, FLAGS)
+  if args.exit_code is not None:
+    return args.exit_code
+  f = args.flags
+  m, cases = cases_of(args.config)
+  if f.part is None:         # driver: each part in its own process, so a GPU fault stays local
+    drive(argv, f, m, cases)
+    return 0
+  if f.part != "numerics" and not (f.part.isdigit() and int(f.part) < len(cases)):
+    _flags.error(PROG, f"--part must be numerics or a case index below {len(cases)}, "
+                 f"got {f.part!r}")
+    return _flags.USAGE_ERROR
   dev = jax.devices()[0]
   log("device:", dev.device_kind, "SMs:", getattr(dev, "core_count", "?"), "jax", jax.__version__)
   try:
@@ -126,9 +145,9 @@ def main():
     log("tokamax import failed:", repr(e)[:300])
 
   cfg = pallas_gpu.MgpuConfig()
-  rows = []
-  if args.part != "numerics":
-    return run_case(args, tokamax, int(args.part))
+  if f.part != "numerics":
+    run_case(f, tokamax, m, cases[int(f.part)])
+    return 0
   # ---- numerics: uneven groups, an empty group, rows past sum(group_sizes), M % 128 != 0.
   key = jax.random.PRNGKey(0)
   for dtype, (m, k, n), sizes in [
@@ -142,6 +161,7 @@ def main():
     except Exception as e:  # noqa: BLE001
       log("numerics FAILED", jnp.dtype(dtype).name, (m, k, n), repr(e)[:2000])
       traceback.print_exc()
+  return 0
 
 
 
@@ -149,19 +169,30 @@ CASES = [(8, 3584, 6144, "gate+up"), (32, 3584, 6144, "gate+up"), (8, 3072, 3584
          (32, 3072, 3584, "down")]
 
 
-def drive(args):
+def cases_of(cfg):
+  """(M rows, [(G, K, N, what)]): CASES at M_ROWS, or a config's experts (module docstring)."""
+  if cfg is None:
+    return M_ROWS, CASES
+  e = cfg.model.moe
+  return cfg.data.seq_len * e.top_k, [
+      (e.num_experts, e.latent_dim, 2 * e.expert_hidden, "gate+up"),
+      (e.num_experts, e.expert_hidden, e.latent_dim, "down")]
+
+
+def drive(argv, f, m, cases):
+  """Runs each part in a child process with this command's flags plus --part and the time left."""
   import json
   import subprocess
-  parts = ["numerics"] + [str(i) for i in range(1 if args.quick else len(CASES))]
+  parts = ["numerics"] + [str(i) for i in range(1 if f.quick else len(cases))]
   rows = []
   for part in parts:
-    left = args.budget_s - (time.time() - T_START)
+    left = f.max_seconds - (time.time() - T_START)
     if left < 20:
-      log("budget reached; skipping part", part)
+      log("time limit reached; skipping part", part)
       continue
     try:
-      p = subprocess.run([sys.executable, os.path.abspath(__file__), "--part", part,
-                          "--budget_s", str(left)], capture_output=True, text=True,
+      p = subprocess.run([sys.executable, os.path.abspath(__file__), *argv[1:], f"--part={part}",
+                          f"--max_seconds={left}"], capture_output=True, text=True,
                          timeout=left + 30)
       out = p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
@@ -172,20 +203,19 @@ def drive(args):
         rows.append(json.loads(line[7:]))
       elif line.startswith("[") or "FAILED" in line or "Error" in line[:200]:
         print(line[:600], flush=True)
-  print_table(rows)
+  print_table(rows, m)
 
 
-def run_case(args, tokamax, case):
+def run_case(f, tokamax, m, case):
   import json
-  m = 32768
   rows = []
-  cases = [CASES[case]]
+  cases = [case]
   fwd_cfgs = {"m8": pallas_gpu.MgpuConfig(),
               "m16": pallas_gpu.MgpuConfig(grid_width=16),
               "n4": pallas_gpu.MgpuConfig(grid_minor=1, grid_width=4)}
   for g, k, n, what in cases:
-    if time.time() - T_START > args.budget_s:
-      log("budget reached; skipping", g, k, n)
+    if time.time() - T_START > f.max_seconds:
+      log("time limit reached; skipping", g, k, n)
       continue
     sizes = uneven_sizes(m, g)
     flops = 2.0 * m * k * n
@@ -198,7 +228,7 @@ def run_case(args, tokamax, case):
     res = {"G": g, "K": k, "N": n, "what": what}
 
     def run(name, f, *a, flop=flops):
-      if time.time() - T_START > args.budget_s + 60:
+      if time.time() - T_START > f.max_seconds + 60:
         return
       try:
         s = bench(jax.jit(f), *a)
@@ -246,10 +276,10 @@ def run_case(args, tokamax, case):
     print("RESULT " + json.dumps(r), flush=True)
 
 
-def print_table(rows):
+def print_table(rows, m=M_ROWS):
   cols = ["dense", "dense_again", "ours_fwd", "ours_dlhs", "ours_drhs", "ours_bwd", "ragged_dot_fwd",
           "ragged_dot_bwd", "tokamax_fwd", "tokamax_bwd"]
-  print("\nTFLOP/s (bf16, M=32768; bwd = dlhs+drhs, 4·M·K·N FLOPs)")
+  print(f"\nTFLOP/s (bf16, M={m}; bwd = dlhs+drhs, 4·M·K·N FLOPs)")
   print("| G | K | N | " + " | ".join(cols) + " | ours fwd/dense | ours bwd/dense | fwd cfg |")
   for r in rows:
     vals = " | ".join(f"{r.get(c, float('nan')):.0f}" for c in cols)
@@ -259,4 +289,4 @@ def print_table(rows):
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -46,7 +46,7 @@ def parse(argv, prog: str, *, define: Callable[[flags.FlagValues], None] | None 
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/k3_tiny.py; "
                                   "override any key with --config.section.key=value",
-                                  flag_values=fv, lock_config=True)
+                                  flag_values=fv, lock_config=True, sys_argv=argv)
   if define is not None:
     define(fv)
   if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):

@@ -18,10 +18,10 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import pallas_gpu, pallas_tpu, xla
+from pallas_kernels.attention import cudnn, pallas_gpu, pallas_tpu, xla
 from pallas_kernels.attention.reference import attention_reference
 
-BACKENDS = ("auto", "reference", "xla", "pallas_gpu", "pallas_tpu")
+BACKENDS = ("auto", "reference", "xla", "pallas_gpu", "cudnn", "pallas_tpu")
 _FLOATS = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 
 
@@ -153,13 +153,21 @@ def attention(q, k, v, segment_ids=None, *, scale, causal: bool = True, q_offset
   if backend == "reference":
     return _reference_core(q, k, v, q_seg, kv_seg, jnp.asarray(q_offset, jnp.int32),
                            scale=scale, causal=causal)
-  if backend == "pallas_gpu":
+  if backend in ("pallas_gpu", "cudnn"):
     pallas_gpu.check_supported(dk, dv, q.dtype)
+  if backend == "cudnn" and jax.default_backend() != "gpu":
+    backend = "pallas_gpu"          # no cuDNN off-GPU: the kernels in interpret mode
+  if backend == "cudnn":
+    same_segments = not isinstance(segment_ids, (tuple, list))
+    offset0 = 0 if isinstance(q_offset, numbers.Integral) and int(q_offset) == 0 else None
+    if not cudnn.supports_static(tq, tk, dk, dv, q.dtype, same_segments, offset0):
+      backend = "pallas_gpu"
   # Splash (pallas_tpu) needs the causal offset at trace time; None sends it to its fallback.
   static_offset = (int(q_offset) if isinstance(q_offset, numbers.Integral) else None) if causal else 0
   return _blockwise_core(q, k, v, q_seg, kv_seg, jnp.asarray(q_offset, jnp.int32), scale=scale,
                          causal=causal, backend=backend, static_offset=static_offset,
-                         gpu_config=pallas_gpu.config_for(q.dtype), tpu_config=pallas_tpu.CONFIG)
+                         gpu_config=pallas_gpu.config_for(q.dtype), tpu_config=pallas_tpu.CONFIG,
+                         cudnn_config=cudnn.CONFIG)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal"))
@@ -170,9 +178,9 @@ def _reference_core(q, k, v, q_seg, kv_seg, q_offset, *, scale, causal):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "backend", "static_offset",
-                                             "gpu_config", "tpu_config"))
+                                             "gpu_config", "tpu_config", "cudnn_config"))
 def _blockwise_core(q, k, v, q_seg, kv_seg, q_offset, *, scale, causal, backend, static_offset,
-                    gpu_config, tpu_config):
+                    gpu_config, tpu_config, cudnn_config):
   """One blockwise backend on the canonical form; max_logit = max of the row maxima."""
   tq, tk = q.shape[1], k.shape[1]
   q_last = last_keys(q_offset, tq, tk, causal)
@@ -182,6 +190,9 @@ def _blockwise_core(q, k, v, q_seg, kv_seg, q_offset, *, scale, causal, backend,
     out, row_max_bhq = pallas_gpu.attention_pallas_gpu(
         q, k, v, q_seg, kv_seg, q_last, scale=scale, config=gpu_config,
         interpret=jax.default_backend() != "gpu")
+  elif backend == "cudnn":
+    out, row_max_bhq = cudnn.attention_cudnn(q, k, v, q_seg, q_last, scale=scale, causal=causal,
+                                             config=cudnn_config, gpu_config=gpu_config)
   else:
     out, row_max_bhq = pallas_tpu.attention_pallas_tpu(
         q, k, v, q_seg, kv_seg, q_last, scale=scale, causal=causal, q_offset=static_offset,

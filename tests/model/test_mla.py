@@ -26,7 +26,7 @@ RTOL = ATOL = 2e-5   # fp32 module vs fp64 reference
 def mla_config(**overrides) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict(dict(
       num_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
-      v_head_dim=8, latent_norm_eps=1e-6, output_gate=True))
+      v_head_dim=8, latent_norm_eps=1e-6, output_gate=True, backend="auto"))
   c.update(overrides)
   return c
 

@@ -117,7 +117,8 @@ def test_param_bytes_equal_direct_computation_from_specs(tiny, recipe):
 
 
 @pytest.mark.parametrize("recipe", ["default", "full"])
-@pytest.mark.parametrize("sizes", [SMALL_MESH, dict(data=2, fsdp=1, expert=4, sequence=2, tensor=1)])
+@pytest.mark.parametrize("sizes", [SMALL_MESH,
+                                   dict(data=2, fsdp=1, expert=4, sequence=2, tensor=1)])
 def test_state_bytes_match_the_run_shardings(tiny, recipe, sizes):
   cfg, state = tiny
   real = run_sharding_bytes(state, rules_lib.get_rules(recipe), sizes)

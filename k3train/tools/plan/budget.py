@@ -137,7 +137,8 @@ def format_plan(plan: Plan, config_name: str = "", verbose: bool = False) -> str
   mb = plan.microbatches
   tokens = d.global_batch * d.T * mb
   micro = f" × {mb} micro-batches" if mb > 1 else ""
-  out = [f"plan {config_name}: {math.prod(plan.sizes.values())} devices, mesh {describe(plan.sizes)}, "
+  out = [f"plan {config_name}: {math.prod(plan.sizes.values())} devices, "
+         f"mesh {describe(plan.sizes)}, "
          f"rules={plan.rules}, remat={plan.remat}, attention={plan.attention}",
          f"  batch: {d.b} × {d.T:,}-token sequence(s) per batch shard × {d.batch_shards} shards"
          f"{micro} = global batch {d.global_batch * mb} ({tokens / 1e6:.2f} M tokens/step); "

@@ -120,7 +120,8 @@ def state_layout(state, rules_name: str) -> StateLayout:
   return StateLayout(rules_name, tuple(leaves))
 
 
-def _not_divisible(layout: StateLayout, leaf: Leaf, sizes: Mapping[str, int], dim: int) -> MeshError:
+def _not_divisible(layout: StateLayout, leaf: Leaf, sizes: Mapping[str, int],
+                   dim: int) -> MeshError:
   """The run's error for a leaf the mesh does not divide (from its own `spec_for`)."""
   if leaf.logical is not None:
     try:
@@ -134,7 +135,8 @@ def _not_divisible(layout: StateLayout, leaf: Leaf, sizes: Mapping[str, int], di
 
 
 def state_bytes(layout: StateLayout, sizes: Mapping[str, int]) -> StateBytes:
-  """Per-device bytes of the state on a mesh of resolved `sizes`; MeshError if it does not divide."""
+  """Per-device bytes of the state on a mesh of resolved `sizes`; MeshError where the mesh does
+  not divide a dimension."""
   totals = {"params": 0, "rest": 0, "opt": 0}
   largest, replicated, units = 0, [], {}
   for leaf in layout.leaves:
