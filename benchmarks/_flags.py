@@ -53,29 +53,33 @@ def parse(argv, prog: str, specs) -> Args:
     from k3train import cli
   except ImportError as e:
     return _parse_argparse(argv, prog, specs, e)
-  args = cli.parse(argv, prog, define=lambda fv: _define_absl(fv, specs), config_required=False)
+  args = cli.parse(argv, prog, define=lambda fv: _define_absl(fv, prog, specs),
+                   config_required=False)
   if args.exit_code is not None:
-    return Args(args.flags, exit_code=args.exit_code)
+    return Args(None, exit_code=args.exit_code)
   given = frozenset(f.name for f in specs if args.flags[f.name].present)
   return Args(args.flags, args.config, given)
 
 
-def _define_absl(fv, specs) -> None:
+def _define_absl(fv, prog: str, specs) -> None:
   from absl import flags
   define = dict(str=flags.DEFINE_string, int=flags.DEFINE_integer, float=flags.DEFINE_float,
                 bool=flags.DEFINE_bool, list=flags.DEFINE_list, multi=flags.DEFINE_multi_string)
   for f in specs:
     if f.kind == "enum":
-      flags.DEFINE_enum(f.name, f.default, list(f.choices), f.help, flag_values=fv)
+      flags.DEFINE_enum(f.name, f.default, list(f.choices), f.help, flag_values=fv,
+                        module_name=prog)
     else:
-      define[f.kind](f.name, f.default, f.help, flag_values=fv)
+      define[f.kind](f.name, f.default, f.help, flag_values=fv, module_name=prog)
 
 
 def _parse_argparse(argv, prog: str, specs, missing: ImportError) -> Args:
   if any(a == "--config" or a.startswith(("--config=", "--config.")) for a in argv[1:]):
     error(prog, f"--config needs k3train's dependencies, which do not import here ({missing})")
     return Args(None, exit_code=USAGE_ERROR)
-  ap = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+  ap = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                               description=f"(no --config here: {missing})")
   for f in specs:
     opt = f"--{f.name}"
     if f.kind == "bool":

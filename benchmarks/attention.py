@@ -19,7 +19,8 @@ shape (uneven documents, v native or padded, a repeated id that takes the fallba
 `--sweep` the kernel and cudnn settings at T 8192, 4 documents.
 
 Prints one JSON line per measurement and a table at the end:
-  PYTHONPATH=$PWD python3 benchmarks/attention.py [--sweep] [--quick] [--skip_check]
+  PYTHONPATH=$PWD python3 benchmarks/attention.py [--parts check,sweep,table] [--impls ...]
+A crash on the GPU poisons the process; run the cudnn parts in a process of their own.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def dense_fwdbwd(q, k, v, seg, do):
 
 # ----------------------------------------------------------------------------- parts of the run
 
-def numerical_check(quick: bool):
+def numerical_check(gpu_backends):
   """Our GPU path vs the xla backend (max abs error; out, max_logit, dq, dk, dv): B2 T1000 H4,
   uneven documents starting mid-block (row 1 includes a one-token document)."""
   t = 1000
@@ -159,7 +160,7 @@ def numerical_check(quick: bool):
   for dtype in (jnp.float32, jnp.bfloat16):
     q, k, v, do = inputs(t, dtype, seed=1, b=2, h=4)
     res = {}
-    backends = ("pallas_gpu", "cudnn", "xla") if dtype == jnp.bfloat16 else ("pallas_gpu", "xla")
+    backends = tuple(b for b in gpu_backends if b != "cudnn" or dtype == jnp.bfloat16) + ("xla",)
     for backend in backends:
       def f(q, k, v, backend=backend):
         (out, ml), vjp = jax.vjp(
@@ -177,7 +178,7 @@ def numerical_check(quick: bool):
 
 def cudnn_check():
   """The cudnn backend against pallas_gpu at the benchmark shape (bf16, T 8192, H 32): uneven
-  documents, v native and zero-padded, and a row with a repeated id (the pallas fallback)."""
+  documents, and a row with a repeated id (the pallas fallback)."""
   from pallas_kernels.attention import cudnn
   t = 8192
   q, k, v, do = inputs(t, seed=2)
@@ -188,22 +189,13 @@ def cudnn_check():
   for case, seg in cases.items():
     seg = jnp.asarray(seg[None].astype(np.int32))
     res = {}
-    for label, backend, cfg in (("pallas_gpu", "pallas_gpu", None),
-                                ("cudnn", "cudnn", dict(pad_v=False)),
-                                ("cudnn_pad_v", "cudnn", dict(pad_v=True))):
-      if case == "repeated_id" and label == "cudnn_pad_v":
-        continue
-      saved = cudnn.CONFIG
-      if cfg:
-        cudnn.CONFIG = cudnn.Config(**cfg)
+    for label in ("pallas_gpu", "cudnn"):
       try:
-        _, fb = make_ours(backend)
+        _, fb = make_ours(label)
         out, ml, grads = jax.jit(fb)(q, k, v, seg, do)
         res[label] = [np.asarray(x.astype(jnp.float32)) for x in (out, ml) + tuple(grads)]
       except Exception as e:  # noqa: BLE001
         emit(part="cudnn_check", case=case, impl=label, error=repr(e)[:300])
-      finally:
-        cudnn.CONFIG = saved
     for label in res:
       if label != "pallas_gpu" and "pallas_gpu" in res:
         errs = {n: float(np.max(np.abs(a - b))) for n, a, b in zip(names, res[label],
@@ -244,9 +236,14 @@ def sweep():
       emit(part="sweep", what="fwd+bwd", t=t, docs=docs, config=cfg, ms=round(ms, 4))
     except Exception as e:  # noqa: BLE001
       emit(part="sweep", what="fwd+bwd", t=t, docs=docs, config=cfg, error=repr(e)[:300])
+
+
+def cudnn_sweep():
   from pallas_kernels.attention import cudnn
-  for cfg in (dict(max_segments=4), dict(max_segments=16), dict(max_segments=64),
-              dict(max_segments=16, pad_v=True)):
+  t, docs = 8192, 4
+  q, k, v, do = inputs(t)
+  seg = jnp.asarray(doc_segments(t, docs))
+  for cfg in (dict(max_segments=4), dict(max_segments=16), dict(max_segments=64)):
     saved = cudnn.CONFIG
     cudnn.CONFIG = cudnn.Config(**cfg)
     try:
@@ -270,21 +267,20 @@ def measure(name, t, docs, fwd, fwdbwd, args_fwd, args_bwd):
       emit(part="time", impl=name, t=t, docs=docs, what=what, error=repr(e)[:300])
 
 
-def main_table(lengths, quick: bool):
+def main_table(lengths, impls):
+  ours = [i for i in impls if i in ("auto", "pallas_gpu", "cudnn")]
   for t in lengths:
     q, k, v, do = inputs(t)
     for docs in (4, 1):
       seg = jnp.asarray(doc_segments(t, docs))
-      for backend in ("auto", "pallas_gpu", "cudnn"):
+      for backend in ours:
         measure(f"ours[{backend}]", t, docs, *make_ours(backend), (q, k, v, seg),
                 (q, k, v, seg, do))
-      if quick:
-        continue
-      if docs == 4:
+      if docs == 4 and "jax_mha" in impls:
         measure("jax_mha", t, docs, mha_fwd, mha_fwdbwd, (q, k, v, seg), (q, k, v, seg, do))
-        if t <= 8192:
-          measure("dense", t, docs, dense_fwd, dense_fwdbwd, (q, k, v, seg), (q, k, v, seg, do))
-    if not quick:
+      if docs == 4 and "dense" in impls and t <= 8192:
+        measure("dense", t, docs, dense_fwd, dense_fwdbwd, (q, k, v, seg), (q, k, v, seg, do))
+    if "cudnn_nomask" in impls:
       measure("cudnn_nomask", t, 1, cudnn_fwd, cudnn_fwdbwd, (q, k, v, None),
               (q, k, v, None, do))
     del q, k, v, do
@@ -301,13 +297,17 @@ def table():
     print(f"| {impl} | {t} | {docs} | {c.get('fwd', '-')} | {c.get('fwd+bwd', '-')} |")
 
 
+PARTS = ("check", "cudnn_check", "sweep", "cudnn_sweep", "table")
+IMPLS = ("auto", "pallas_gpu", "cudnn", "cudnn_nomask", "jax_mha", "dense")
+
+
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--sweep", action="store_true")
-  ap.add_argument("--quick", action="store_true", help="ours only")
-  ap.add_argument("--skip_check", action="store_true")
+  ap.add_argument("--parts", default=",".join(PARTS))
+  ap.add_argument("--impls", default=",".join(IMPLS))
   ap.add_argument("--lengths", default="8192,32768")
   a = ap.parse_args()
+  parts, impls = a.parts.split(","), a.impls.split(",")
   commit = os.environ.get("COMMIT") or subprocess.run(
       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
   dev = jax.devices()[0]
@@ -317,15 +317,16 @@ def main():
   except Exception:  # noqa: BLE001
     cudnn = None
   emit(part="env", commit=commit, date=time.strftime("%Y-%m-%d"), device=dev.device_kind,
-       jax=jax.__version__, jaxlib=jaxlib.__version__,
-       cudnn=cudnn, gpu_config=str(pallas_gpu.CONFIG))
-  for name, fn in (("check", lambda: None if a.skip_check else numerical_check(a.quick)),
-                   ("cudnn_check", lambda: None if a.skip_check else cudnn_check()),
-                   ("sweep", lambda: sweep() if a.sweep else None),
-                   ("table", lambda: main_table([int(x) for x in a.lengths.split(",")], a.quick))):
+       jax=jax.__version__, jaxlib=jaxlib.__version__, cudnn=cudnn,
+       gpu_config=str(pallas_gpu.CONFIG))
+  gpu_backends = [b for b in ("pallas_gpu", "cudnn") if b in impls]
+  steps = {"check": lambda: numerical_check(gpu_backends), "cudnn_check": cudnn_check,
+           "sweep": sweep, "cudnn_sweep": cudnn_sweep,
+           "table": lambda: main_table([int(x) for x in a.lengths.split(",")], impls)}
+  for name in parts:
     t0 = time.time()
     try:
-      fn()
+      steps[name]()
     except Exception:  # noqa: BLE001
       traceback.print_exc()
     print(f"# {name} took {time.time() - t0:.1f} s", flush=True)

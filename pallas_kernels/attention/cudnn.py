@@ -12,6 +12,10 @@ Statically, only self-attention goes to cuDNN: Tq == Tk, one segment array for q
 q_offset 0 (static), 16-bit inputs, head dims multiples of 8 and ≤ 256; anything else is the
 pallas_gpu path. The gradient is the one jax defines for its cuDNN call; the max-logit pass
 carries none.
+
+v is zero-padded to Dk when Dv ≠ Dk: jax 0.11's packed-layout wrapper scales the kv offsets by
+the head dim of q/k for v too, so an unpadded narrower v is read out of bounds (an illegal
+address on an H200, cuDNN 9.19).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from pallas_kernels.attention import pallas_gpu
 @dataclasses.dataclass(frozen=True)
 class Config:
   max_segments: int = 16   # static cap on documents per row (cuDNN's [B, M] offsets)
-  pad_v: bool = False      # run cuDNN with v zero-padded to Dk (Dv ≠ Dk needs cuDNN ≥ 9.10)
 
 
 CONFIG = Config()
@@ -39,7 +42,7 @@ def supports_static(tq: int, tk: int, dk: int, dv: int, dtype, same_segments: bo
   """Whether a call can use cuDNN at all (before the run-time segment checks)."""
   return (tq == tk and same_segments and static_offset == 0
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and dk % 8 == 0 and dv % 8 == 0 and dk <= 256 and dv <= 256)
+          and dk % 8 == 0 and dv % 8 == 0 and dv <= dk <= 256)
 
 
 def segment_runs(seg_bt: jax.Array, max_segments: int):
@@ -71,10 +74,10 @@ def segment_runs(seg_bt: jax.Array, max_segments: int):
   return ok, lengths_bm, offsets_bm1
 
 
-def _cudnn_out(q, k, v, lengths_bm, offsets_bm1, *, scale, causal, pad_v):
+def _cudnn_out(q, k, v, lengths_bm, offsets_bm1, *, scale, causal):
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
   dv = v.shape[3]
-  if pad_v and dv != q.shape[3]:
+  if dv != q.shape[3]:
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[3] - dv)))
   mask = cudnn_fa.MaskType.CAUSAL if causal else cudnn_fa.MaskType.NO_MASK
   out = cudnn_fa.dot_product_attention(q, k, v, q_seqlen=lengths_bm, kv_seqlen=lengths_bm,
@@ -91,8 +94,7 @@ def attention_cudnn(q, k, v, seg, q_last, *, scale: float, causal: bool,
   ok, lengths_bm, offsets_bm1 = segment_runs(seg, config.max_segments)
 
   def with_cudnn(q, k, v):
-    out = _cudnn_out(q, k, v, lengths_bm, offsets_bm1, scale=scale, causal=causal,
-                     pad_v=config.pad_v)
+    out = _cudnn_out(q, k, v, lengths_bm, offsets_bm1, scale=scale, causal=causal)
     row_max = pallas_gpu.row_max_pallas_gpu(q, k, seg, seg, q_last, scale=scale,
                                             config=gpu_config)
     return out, row_max
