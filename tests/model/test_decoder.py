@@ -109,48 +109,43 @@ def test_scanned_and_unrolled_decoders_agree():
   np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
 
 
+def _three_layer_loss_and_grads(segment_lengths, **model_overrides):
+  """jitted (loss, grads) of a 3-layer tiny model (prefix KDA+dense, MLA; one scanned MLA) on a
+  fixed 2 × 64 batch whose rows hold documents of `segment_lengths` tokens."""
+  from k3train.train.step import forward_loss
+  cfg = k3_tiny.get_config()
+  cfg.model.num_layers, cfg.model.mla_layers = 3, (2, 3)
+  for key, value in model_overrides.items():
+    section, _, name = key.rpartition(".")
+    (cfg.model[section] if section else cfg.model)[name] = value
+  model = build_model(cfg.model, seed=0)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  ids = np.repeat([np.arange(1, len(segment_lengths) + 1)], segment_lengths, axis=1)
+  batch = {"tokens": jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 97 + 3,
+           "targets": jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 89 + 5,
+           "segment_ids": jnp.asarray(ids.repeat(2, axis=0), jnp.int32),
+           "loss_mask": jnp.ones((2, 64), jnp.float32)}
+  loss_fn = lambda p: forward_loss(graphdef, p, rest, batch)[0]
+  return jax.jit(jax.value_and_grad(loss_fn))(params)
+
+
+def _assert_same_loss_and_grads(a, b, tol=1e-5):
+  (loss_a, grads_a), (loss_b, grads_b) = a, b
+  assert abs(float(loss_a) - float(loss_b)) <= tol
+  for x, y in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+    assert float(jnp.max(jnp.abs(x - y))) <= tol
+
+
 def test_remat_changes_neither_loss_nor_gradients():
   # Rematerialisation (scanned stack and the unscanned prefix/suffix layers) recomputes the same
   # forward in the backward pass: same loss, same gradients (fp32; fusion may reorder sums).
-  from k3train.train.step import forward_loss
-  results = {}
-  for policy in ("none", "full"):
-    cfg = k3_tiny.get_config()
-    cfg.model.num_layers, cfg.model.mla_layers = 3, (2, 3)   # prefix KDA+dense, MLA; 1 scanned MLA
-    cfg.model.remat_policy = policy
-    model = build_model(cfg.model, seed=0)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    seg = jnp.asarray(np.repeat([[1, 2]], [40, 24], axis=1).repeat(2, axis=0), jnp.int32)
-    batch = {"tokens": jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 97 + 3,
-             "targets": jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 89 + 5,
-             "segment_ids": seg, "loss_mask": jnp.ones((2, 64), jnp.float32)}
-    loss_fn = lambda p: forward_loss(graphdef, p, rest, batch)[0]
-    results[policy] = jax.jit(jax.value_and_grad(loss_fn))(params)
-  (loss_a, grads_a), (loss_b, grads_b) = results["none"], results["full"]
-  assert abs(float(loss_a) - float(loss_b)) <= 1e-5
-  for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
-    assert float(jnp.max(jnp.abs(a - b))) <= 1e-5
+  _assert_same_loss_and_grads(_three_layer_loss_and_grads((40, 24), remat_policy="none"),
+                              _three_layer_loss_and_grads((40, 24), remat_policy="full"))
 
 
 def test_flash_attention_path_matches_the_dense_path():
   # The MLA layers through the blockwise attention op ("xla", O(T·block) memory) and through the
   # dense reference give the same loss and gradients on the tiny model (fp32; documents that
   # start mid-block, blocks smaller than T).
-  from k3train.train.step import forward_loss
-  results = {}
-  for backend in ("reference", "xla"):
-    cfg = k3_tiny.get_config()
-    cfg.model.num_layers, cfg.model.mla_layers = 3, (2, 3)
-    cfg.model.mla.backend = backend
-    model = build_model(cfg.model, seed=0)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    seg = jnp.asarray(np.repeat([[1, 2, 3]], [21, 30, 13], axis=1).repeat(2, axis=0), jnp.int32)
-    batch = {"tokens": jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 97 + 3,
-             "targets": jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 89 + 5,
-             "segment_ids": seg, "loss_mask": jnp.ones((2, 64), jnp.float32)}
-    loss_fn = lambda p: forward_loss(graphdef, p, rest, batch)[0]
-    results[backend] = jax.jit(jax.value_and_grad(loss_fn))(params)
-  (loss_a, grads_a), (loss_b, grads_b) = results["reference"], results["xla"]
-  assert abs(float(loss_a) - float(loss_b)) <= 1e-5
-  for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
-    assert float(jnp.max(jnp.abs(a - b))) <= 1e-5
+  _assert_same_loss_and_grads(_three_layer_loss_and_grads((21, 30, 13), **{"mla.backend": "reference"}),
+                              _three_layer_loss_and_grads((21, 30, 13), **{"mla.backend": "xla"}))
