@@ -145,7 +145,7 @@ def test_remat_changes_neither_loss_nor_gradients():
 
 def test_flash_attention_path_matches_the_dense_path():
   # The MLA layers through the blockwise attention op ("xla", O(T·block) memory) and through the
-  # dense reference give the same loss and gradients on the tiny model (fp32; documents that
-  # start mid-block, blocks smaller than T).
+  # dense reference give the same loss and gradients on the tiny model (fp32, three documents per
+  # row; block edges and mid-block document starts are covered by the op's own tests).
   _assert_same_loss_and_grads(_three_layer_loss_and_grads((21, 30, 13), **{"mla.backend": "reference"}),
                               _three_layer_loss_and_grads((21, 30, 13), **{"mla.backend": "xla"}))
