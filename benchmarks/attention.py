@@ -205,17 +205,17 @@ def cudnn_check():
 
 SWEEP_FWD = [dict(block_q=128, block_k=64, fwd_warps=8, fwd_stages=3),
              dict(block_q=128, block_k=128, fwd_warps=8, fwd_stages=2),
-             dict(block_q=128, block_k=64, fwd_warps=4, fwd_stages=3),
-             dict(block_q=64, block_k=64, fwd_warps=4, fwd_stages=3),
-             dict(block_q=128, block_k=32, fwd_warps=4, fwd_stages=4)]
-SWEEP_BWD = [dict(dkv_block_q=64, dkv_block_k=64, dkv_warps=8, dkv_stages=2,
-                  dq_block_q=64, dq_block_k=64, dq_warps=8, dq_stages=2),
-             dict(dkv_block_q=32, dkv_block_k=64, dkv_warps=4, dkv_stages=3,
+             dict(block_q=64, block_k=64, fwd_warps=4, fwd_stages=3)]
+SWEEP_BWD = [dict(dkv_block_q=32, dkv_block_k=64, dkv_warps=4, dkv_stages=3,
                   dq_block_q=64, dq_block_k=32, dq_warps=4, dq_stages=3),
-             dict(dkv_block_q=64, dkv_block_k=128, dkv_warps=8, dkv_stages=2,
-                  dq_block_q=128, dq_block_k=64, dq_warps=8, dq_stages=2),
-             dict(dkv_block_q=32, dkv_block_k=128, dkv_warps=8, dkv_stages=2,
-                  dq_block_q=128, dq_block_k=32, dq_warps=8, dq_stages=2)]
+             dict(dkv_block_q=32, dkv_block_k=64, dkv_warps=4, dkv_stages=2,
+                  dq_block_q=64, dq_block_k=32, dq_warps=4, dq_stages=2),
+             dict(dkv_block_q=32, dkv_block_k=64, dkv_warps=8, dkv_stages=3,
+                  dq_block_q=64, dq_block_k=32, dq_warps=8, dq_stages=3),
+             dict(dkv_block_q=64, dkv_block_k=64, dkv_warps=4, dkv_stages=3,
+                  dq_block_q=64, dq_block_k=64, dq_warps=4, dq_stages=3),
+             dict(dkv_block_q=64, dkv_block_k=64, dkv_warps=8, dkv_stages=2,
+                  dq_block_q=64, dq_block_k=64, dq_warps=8, dq_stages=2)]
 
 
 def sweep():

@@ -2,12 +2,16 @@
 
 Backends: "reference" (dense, readable, fp64-capable: the oracle), "xla" (blockwise pure JAX, a
 custom_vjp with a blockwise backward; runs anywhere), "pallas_gpu" (Pallas-Triton flash kernels,
-pallas_gpu.py), "pallas_tpu" (splash attention plus a max-logit pass, pallas_tpu.py) — the Pallas
-backends run in interpret mode when their platform is absent (tests) — and "auto".
+pallas_gpu.py), "cudnn" (cuDNN's packed varlen attention plus the Pallas max-logit pass, for
+self-attention; cudnn.py), "pallas_tpu" (splash attention plus a max-logit pass, pallas_tpu.py)
+— the Pallas backends run in interpret mode when their platform is absent (tests), "cudnn" then
+runs the pallas_gpu kernels — and "auto" (resolve_backend).
 
-Canonical form handed to the blockwise backends: q_seg [B, Tq], kv_seg [B, Tk] int32 and
-q_last [Tq] int32, the last key index query i may attend to (min(q_offset + i, Tk − 1) with
-`causal`, Tk − 1 without). Pair (i, j) is allowed iff q_seg[i] == kv_seg[j] and j ≤ q_last[i].
+The maths is docs/maths.md §2.2 (NoPE MLA: q·k over the 128 nope + 64 unrotated rope dims,
+scale 192^-1/2, causal, never across documents). Canonical form handed to the blockwise
+backends: q_seg [B, Tq], kv_seg [B, Tk] int32 and q_last [Tq] int32, the last key index query i
+may attend to (min(q_offset + i, Tk − 1) with `causal`, Tk − 1 without). Pair (i, j) is allowed
+iff q_seg[i] == kv_seg[j] and j ≤ q_last[i].
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ def resolve_backend(backend: str, dk: int | None = None, dv: int | None = None,
                     dtype=None) -> str:
   """Map a backend name to a concrete one.
 
-  "auto": "pallas_gpu" on a GPU for the head dims and dtypes its kernels take — at B1 H32 Dk192
-  Dv128 bf16 with 4 documents per row it is the fastest measured option that also returns the
-  exact max logit (benchmarks/attention.md); "pallas_tpu" on a TPU; "xla" everywhere else.
+  "auto": "pallas_gpu" on a GPU for the head dims and dtypes its kernels take, "pallas_tpu" on a
+  TPU, "xla" everywhere else. On an H200 at B1 H32 Dk192 Dv128 bf16 (benchmarks/attention.md)
+  pallas_gpu is the fastest option that returns the exact max logit with 4 documents per row at
+  T 8192 (forward and forward+backward); "cudnn" is faster only for long single documents
+  (forward+backward) and is picked by name.
   """
   if backend not in BACKENDS:
     raise ValueError(f"attention: unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -167,7 +173,7 @@ def attention(q, k, v, segment_ids=None, *, scale, causal: bool = True, q_offset
   return _blockwise_core(q, k, v, q_seg, kv_seg, jnp.asarray(q_offset, jnp.int32), scale=scale,
                          causal=causal, backend=backend, static_offset=static_offset,
                          gpu_config=pallas_gpu.config_for(q.dtype), tpu_config=pallas_tpu.CONFIG,
-                         cudnn_config=cudnn.CONFIG)
+                         cudnn_config=cudnn.CONFIG, xla_block_k=xla.BLOCK_K)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal"))
@@ -178,14 +184,16 @@ def _reference_core(q, k, v, q_seg, kv_seg, q_offset, *, scale, causal):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "backend", "static_offset",
-                                             "gpu_config", "tpu_config", "cudnn_config"))
+                                             "gpu_config", "tpu_config", "cudnn_config",
+                                             "xla_block_k"))
 def _blockwise_core(q, k, v, q_seg, kv_seg, q_offset, *, scale, causal, backend, static_offset,
-                    gpu_config, tpu_config, cudnn_config):
+                    gpu_config, tpu_config, cudnn_config, xla_block_k):
   """One blockwise backend on the canonical form; max_logit = max of the row maxima."""
   tq, tk = q.shape[1], k.shape[1]
   q_last = last_keys(q_offset, tq, tk, causal)
   if backend == "xla":
-    out, row_max_bhq = xla.attention_xla(q, k, v, q_seg, kv_seg, q_last, scale=scale)
+    out, row_max_bhq = xla.attention_xla(q, k, v, q_seg, kv_seg, q_last, scale=scale,
+                                         block_k=xla_block_k)
   elif backend == "pallas_gpu":
     out, row_max_bhq = pallas_gpu.attention_pallas_gpu(
         q, k, v, q_seg, kv_seg, q_last, scale=scale, config=gpu_config,

@@ -54,14 +54,14 @@ class Config:
   block_k: int = 64         # forward: keys per loop step
   fwd_warps: int = 8
   fwd_stages: int = 3
-  dkv_block_q: int = 64     # dK/dV: query rows per loop step
+  dkv_block_q: int = 32     # dK/dV: query rows per loop step
   dkv_block_k: int = 64     # dK/dV: keys per program
-  dkv_warps: int = 8
-  dkv_stages: int = 2
+  dkv_warps: int = 4
+  dkv_stages: int = 3
   dq_block_q: int = 64      # dQ: query rows per program
-  dq_block_k: int = 64      # dQ: keys per loop step
-  dq_warps: int = 8
-  dq_stages: int = 2
+  dq_block_k: int = 32      # dQ: keys per loop step
+  dq_warps: int = 4
+  dq_stages: int = 3
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -98,14 +98,15 @@ def config_for(dtype) -> Config:
 
 @contextlib.contextmanager
 def configured(**overrides):
-  """Use Config(**overrides) (fields not named keep their defaults) as CONFIG inside the block."""
-  global CONFIG
-  saved = CONFIG
-  CONFIG = dataclasses.replace(Config(), **overrides)
+  """Inside the block, Config(**overrides) (fields not named keep their defaults) is the
+  configuration for every dtype (CONFIG and FP32_CONFIG): benchmarks and tests."""
+  global CONFIG, FP32_CONFIG
+  saved = CONFIG, FP32_CONFIG
+  CONFIG = FP32_CONFIG = dataclasses.replace(Config(), **overrides)
   try:
     yield CONFIG
   finally:
-    CONFIG = saved
+    CONFIG, FP32_CONFIG = saved
 
 
 def supports(dk: int, dv: int, dtype) -> bool:

@@ -25,7 +25,7 @@ from pallas_kernels.attention import tiles
 from pallas_kernels.attention.reference import compute_dtype
 from pallas_kernels.attention.vjp import differentiable_attention
 
-BLOCK_K = 128   # keys per loop step
+BLOCK_K = 128   # keys per loop step (read by op.attention at each call)
 
 
 def _precision(dtype):

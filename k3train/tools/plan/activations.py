@@ -16,11 +16,12 @@ grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by 
                               q/k, gates, chunk states [H, K, V] fp32 per 64-token chunk,
                               W/U per token, fp32 output, norm and gate
   MLA                         latent and head projections, fp32 latent norms and gate; the
-                              attention itself is assumed to be a flash / cuDNN kernel (GPU) or
-                              splash kernel (TPU): it saves its output and log-sum-exp only,
-                              O(T·H·d) memory. NOTE: k3train/model/mla.py today materialises
-                              [B, H, T, S] fp32 logits; `--attention=naive` plans that.
-                              With sequence parallelism K/V of the whole sequence are gathered.
+                              attention op (pallas_kernels/attention, as mla.py calls it)
+                              takes q and k 192 wide per head (k^R broadcast to every head)
+                              and v, and saves its output and fp32 log-sum-exp: O(T·H·d)
+                              memory. `--attention=naive` plans dense [B, H, T, S] fp32 logits
+                              instead (the `reference` backend). With sequence parallelism
+                              K and V of the whole sequence are all-gathered (parallel/attention.py).
   MoE                         router (fp32 input, logits, scores), latent down/up, shared
                               experts, and the dropless expert-parallel buffers: each device
                               receives up to ep · n · k rows of width ℓ (worst case, every pair
@@ -196,10 +197,11 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
                   + h * (a.qk_nope_head_dim + a.v_head_dim) * A + h * a.v_head_dim * A + d * A))
   c.add("mla: fp32 latent norms, gate, output", saved=n * (a.q_lora_rank * F + a.kv_lora_rank * F
                                                            + h * a.v_head_dim * (2 * F + A) + h * F))
+  c.add("mla: attention op inputs q, k [n, H, dqk], output and log-sum-exp",
+        saved=n * h * (2 * qk * A + a.v_head_dim * A + F))
   kv_gathered = 0
   if dims.seq_shards > 1:   # K/V of the other sequence shards, and their cotangents in backward
-    kv_gathered = 2 * dims.b * (dims.T - dims.t_local) * (
-        h * (a.qk_nope_head_dim + a.v_head_dim) + a.qk_rope_head_dim) * A
+    kv_gathered = 2 * dims.b * (dims.T - dims.t_local) * h * (qk + a.v_head_dim) * A
   if attention == "naive":
     scores = dims.b * h * dims.t_local * dims.T
     c.add("mla: [B,H,T,S] probabilities (naive attention)",
