@@ -103,7 +103,8 @@ def _validate(q, k, v, segment_ids, scale, causal, q_offset, backend):
   try:
     float(scale)
   except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
-    raise ValueError(f"attention: scale must be a Python number, got {type(scale).__name__}") from None
+    raise ValueError(f"attention: scale must be a Python number, got "
+                     f"{type(scale).__name__}") from None
   if not isinstance(causal, bool):
     raise ValueError(f"attention: causal must be a bool, got {causal!r}")
   if isinstance(q_offset, bool) or not (
@@ -169,7 +170,8 @@ def attention(q, k, v, segment_ids=None, *, scale, causal: bool = True, q_offset
     if not cudnn.supports_static(tq, tk, dk, dv, q.dtype, same_segments, offset0):
       backend = "pallas_gpu"
   # Splash (pallas_tpu) needs the causal offset at trace time; None sends it to its fallback.
-  static_offset = (int(q_offset) if isinstance(q_offset, numbers.Integral) else None) if causal else 0
+  static_offset = int(q_offset) if isinstance(q_offset, numbers.Integral) else None
+  static_offset = static_offset if causal else 0
   return _blockwise_core(q, k, v, q_seg, kv_seg, jnp.asarray(q_offset, jnp.int32), scale=scale,
                          causal=causal, backend=backend, static_offset=static_offset,
                          gpu_config=pallas_gpu.config_for(q.dtype), tpu_config=pallas_tpu.CONFIG,

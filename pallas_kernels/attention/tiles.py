@@ -31,7 +31,8 @@ def tile_mask(q_seg, kv_seg, q_last, block_q: int, block_k: int) -> jax.Array:
   kmin_bj, kmax_bj = block_min_max(kv_seg, block_k)
   last_i = jnp.max(q_last.reshape(-1, block_q), axis=1)
   first_key_j = jnp.arange(kv_seg.shape[1] // block_k, dtype=jnp.int32) * block_k
-  meets_bij = (qmin_bi[:, :, None] <= kmax_bj[:, None, :]) & (kmin_bj[:, None, :] <= qmax_bi[:, :, None])
+  meets_bij = ((qmin_bi[:, :, None] <= kmax_bj[:, None, :])
+               & (kmin_bj[:, None, :] <= qmax_bi[:, :, None]))
   return meets_bij & (first_key_j[None, None, :] <= last_i[None, :, None])
 
 
