@@ -35,9 +35,9 @@ def resolve_backend(backend: str, dk: int | None = None, dv: int | None = None,
 
   "auto": "pallas_gpu" on a GPU for the head dims and dtypes its kernels take, "pallas_tpu" on a
   TPU, "xla" everywhere else. On an H200 at B1 H32 Dk192 Dv128 bf16 (benchmarks/attention.md)
-  pallas_gpu is the fastest option that returns the exact max logit with 4 documents per row at
-  T 8192 (forward and forward+backward); "cudnn" is faster only for long single documents
-  (forward+backward) and is picked by name.
+  pallas_gpu has the fastest forward at T 8192 and 32768 (1.4–1.6× cudnn) and the fastest
+  forward+backward at T 8192 with 4 documents (0.63 / 3.09 ms; cudnn 1.04 / 3.75); "cudnn"'s
+  forward+backward is 3–6 % faster with single documents and at T 32768, so it stays opt-in.
   """
   if backend not in BACKENDS:
     raise ValueError(f"attention: unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -169,9 +169,12 @@ def attention(q, k, v, segment_ids=None, *, scale, causal: bool = True, q_offset
     offset0 = 0 if isinstance(q_offset, numbers.Integral) and int(q_offset) == 0 else None
     if not cudnn.supports_static(tq, tk, dk, dv, q.dtype, same_segments, offset0):
       backend = "pallas_gpu"
-  # Splash (pallas_tpu) needs the causal offset at trace time; None sends it to its fallback.
-  static_offset = int(q_offset) if isinstance(q_offset, numbers.Integral) else None
-  static_offset = static_offset if causal else 0
+  # Splash (pallas_tpu) needs the causal offset at trace time (None sends it to its fallback);
+  # the other backends take it traced, so other offsets reuse their compilation.
+  static_offset = None
+  if backend == "pallas_tpu":
+    static_offset = 0 if not causal else (
+        int(q_offset) if isinstance(q_offset, numbers.Integral) else None)
   return _blockwise_core(q, k, v, q_seg, kv_seg, jnp.asarray(q_offset, jnp.int32), scale=scale,
                          causal=causal, backend=backend, static_offset=static_offset,
                          gpu_config=pallas_gpu.config_for(q.dtype), tpu_config=pallas_tpu.CONFIG,

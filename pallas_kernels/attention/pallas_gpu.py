@@ -11,7 +11,8 @@ Three kernels, in the native [B, T, H, ·] layout (BlockSpecs squeeze B and H, s
 * dQ, grid (query blocks, B, H): the forward's key blocks again; dQ += dS K.
 Δ = rowsum(dO ⊙ O) is one fused XLA elementwise-reduce. The masks use −inf (never a finite
 stand-in), so a row's running max is exactly the largest allowed logit, and rows with no allowed
-key give out 0, lse −inf and zero gradients.
+key give out 0, lse −inf and zero gradients. A fourth kernel (row_max_pallas_gpu) is the
+forward's tiles without softmax or values: the max-logit pass of the cudnn backend.
 
 Head dims need not be powers of two: a dim D (a multiple of 16, ≤ 256) is split into
 power-of-two parts (192 = 128 + 64) that are separate BlockSpec views of the same array, so
@@ -20,8 +21,9 @@ multiple of the largest block with padding rows that see nothing (q_last = −1)
 past every q_last.
 
 Dot operands are the inputs' dtype (bf16/f16 on tensor cores, fp32 at full precision) with fp32
-accumulation; P and dS are cast to that dtype before their dots. With interpret=True the same
-kernels run on CPU (tests).
+accumulation; P and dS are cast to that dtype before their dots. fp32 inputs use FP32_CONFIG
+(smaller tiles, one stage: fp32 tiles take twice the shared memory). With interpret=True the
+same kernels run on CPU (tests); their lowering to Triton for CUDA is also checked on CPU.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ MAX_HEAD_DIM = 256
 class Config:
   """Block sizes (powers of two ≥ 16) and Triton launch settings of the three kernels.
 
-  Defaults: the fastest measured on an H200 at B1 H32 Dk192 Dv128 bf16 (benchmarks/attention.md).
+  Defaults: from the settings sweep on an H200 at B1 H32 Dk192 Dv128 bf16, T 8192, 4 documents
+  (benchmarks/attention.md): no measured alternative was more than 1 % faster.
   """
   block_q: int = 128        # forward: query rows per program
   block_k: int = 64         # forward: keys per loop step

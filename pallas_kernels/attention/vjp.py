@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-
 import jax
 
 
