@@ -49,7 +49,7 @@ def mixers():
   rngs = nnx.Rngs(params=jax.random.key(0, impl="rbg"))
   mla = mla_lib.GatedMLA(ml_collections.ConfigDict(dict(
       num_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
-      v_head_dim=8, latent_norm_eps=1e-6, output_gate=True)), d_model=D, init_std=0.4,
+      v_head_dim=8, latent_norm_eps=1e-6, output_gate=True, backend="auto")), d_model=D, init_std=0.4,
       dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
   kda = kda_lib.KimiDeltaAttention(ml_collections.ConfigDict(dict(
       num_heads=2, head_dim=8, conv_size=4, gate_lower_bound=-5.0, chunk_size=16, backend="jax")),

@@ -60,7 +60,7 @@ def small_config() -> ml_collections.ConfigDict:
   m.num_dense_layers, m.dense_ffn_hidden, m.init_std = 1, 32, 0.1
   m.mla = ml_collections.ConfigDict(dict(
       num_heads=H, q_lora_rank=16, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
-      v_head_dim=V, latent_norm_eps=1e-6, output_gate=True))
+      v_head_dim=V, latent_norm_eps=1e-6, output_gate=True, backend="auto"))
   m.kda.num_heads, m.kda.head_dim = 1, 8
   m.moe.num_experts, m.moe.top_k, m.moe.latent_dim, m.moe.expert_hidden = 4, 2, 8, 8
   m.moe.num_shared_experts, m.moe.shared_hidden = 2, 16
