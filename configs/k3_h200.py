@@ -29,6 +29,8 @@ def get_config():
   m.moe.shared_hidden = 2048
 
   m.attn_res.block_size = 6
+  m.vision.enabled = False               # text benchmarks; set both to True for a multimodal step
+  c.data.vision.enabled = False
 
   c.data.seq_len = 4096
   c.train.global_batch_size = 16

@@ -36,7 +36,10 @@ def get_config():
 
   m.attn_res.block_size = 4
 
+  m.vision.enabled = False        # text only (configs/k3_tiny_mm.py adds a tiny vision tower)
+
   c.data.seq_len = 128
+  c.data.vision.enabled = False
   c.data.vision.max_patches = 256          # ≤ 64 placeholders per image: fits a 129-token row
   c.data.vision.max_video_frame_patches = 64
   c.data.vision.max_patches_per_row = 512
@@ -56,4 +59,18 @@ def get_config():
 
   c.checkpoint.every_steps = 50
   c.checkpoint.max_to_keep = 2
+
+  # A CPU-sized 128 → 256 → 512-token curriculum, 512 tokens per step throughout (batch 4 → 2 → 1),
+  # off by default: `--config.train.use_stages=true` runs it (three step compiles, about a minute
+  # each on 2 cores). Stage meshes follow the config's parallel section (one device: one shard);
+  # with more devices e.g. `--config.train.stages[2].parallel.sequence=4`.
+  c.train.use_stages = False
+  c.train.stages = (
+      defaults.curriculum_stage(name="short_128", until_step=120, lr="stable"),
+      defaults.curriculum_stage(name="mid_256", until_step=170, seq_len=256, long_doc_weight=4.0,
+                                lr="decay"),
+      defaults.curriculum_stage(name="long_512", seq_len=512, weights=(0.7, 0.1, 0.1, 0.1),
+                                lr="low"),
+  )
+  c.eval.every_steps = 0          # with the curriculum: evals at each stage's end
   return c

@@ -7,6 +7,7 @@ in model-defining numbers silently.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import os
@@ -19,6 +20,7 @@ from k3train import defaults
 from pallas_kernels import attention as attention_op
 from pallas_kernels import kda as kda_op
 from pallas_kernels import moe as moe_ops
+from k3train.quant import mx
 
 
 class ConfigError(ValueError):
@@ -35,9 +37,10 @@ EXPERT_EXCHANGES = ("auto", "all_to_all", "ragged")
 KDA_BACKENDS = kda_op.BACKENDS
 MOE_BACKENDS = moe_ops.BACKENDS
 ATTENTION_BACKENDS = attention_op.BACKENDS
+QAT_GEMMS = ("auto", "fake_quant", "mx")     # model.quant.gemm (k3train/model/moe.py)
 # `data` keys that may change between curriculum stages (and so between a checkpoint and the run
 # restoring it): the data iterator re-plans them without losing its place in any source.
-DATA_STAGE_KEYS = ("weights", "seq_len", "num_workers", "num_threads")
+DATA_STAGE_KEYS = ("weights", "seq_len", "num_workers", "num_threads", "long_doc_weight")
 
 
 def _schema() -> ml_collections.ConfigDict:
@@ -159,11 +162,13 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "model.moe.shared_hidden",
            f"{e.shared_hidden} must be divisible by num_shared_experts={e.num_shared_experts}")
   _require(e.backend in MOE_BACKENDS, "model.moe.backend", f"must be one of {MOE_BACKENDS}, got {e.backend!r}")
+  _validate_quant(m)
 
   _require(m.attn_res.block_size >= 1, "model.attn_res.block_size",
            f"must be >= 1 decoder layers, got {m.attn_res.block_size}")
 
   _validate_data(cfg.data)
+  _validate_vision(m, cfg.data)
   t = cfg.train
   _require(t.global_batch_size >= 1, "train.global_batch_size", f"must be >= 1, got {t.global_batch_size}")
   _require(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
@@ -198,7 +203,45 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(cfg.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _require(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   layer_schedule(m)  # raises ConfigError when the layer pattern cannot be scanned
+  _validate_eval(cfg.eval)
+  _validate_metrics(cfg)
+  if t.use_stages:
+    stages(cfg)       # raises ConfigError naming the stage and the key
   return cfg
+
+
+def _validate_quant(m: ml_collections.ConfigDict) -> None:
+  """model.quant: MX QAT of the routed experts (docs/maths.md §7.5)."""
+  q = m.quant
+  _require(q.weights in mx.FORMATS, "model.quant.weights", f"must be one of {mx.FORMATS}, got {q.weights!r}")
+  _require(q.activations in mx.FORMATS + ("none",), "model.quant.activations",
+           f"must be one of {mx.FORMATS + ('none',)}, got {q.activations!r}")
+  _require(q.scale_rule in mx.SCALE_RULES, "model.quant.scale_rule",
+           f"must be one of {mx.SCALE_RULES}, got {q.scale_rule!r}")
+  _require(q.gemm in QAT_GEMMS, "model.quant.gemm", f"must be one of {QAT_GEMMS}, got {q.gemm!r}")
+  _require(q.start_step >= 0, "model.quant.start_step", f"must be >= 0, got {q.start_step}")
+  _require(q.gemm != "mx" or (q.weights, q.activations) == ("mxfp4", "mxfp8"), "model.quant.gemm",
+           f"'mx' reads MXFP4 weights and MXFP8 activations; got weights={q.weights!r}, "
+           f"activations={q.activations!r} (use fake_quant)")
+  if q.enabled:
+    for key in ("latent_dim", "expert_hidden"):
+      _require(m.moe[key] % mx.BLOCK == 0, f"model.moe.{key}",
+               f"must be a multiple of the MX block ({mx.BLOCK}) with model.quant.enabled, got {m.moe[key]}")
+
+
+def _validate_metrics(cfg: ml_collections.ConfigDict) -> None:
+  """metrics.* (k3train/train/writers.py) and the held-out split (k3train/train/evaluation.py)."""
+  s = cfg.metrics
+  _require(s.vectors_every >= 0, "metrics.vectors_every", f"must be >= 0 (0: never), got {s.vectors_every}")
+  _require(not s.wandb or bool(s.wandb_project.strip()), "metrics.wandb_project",
+           "must name a W&B project when metrics.wandb is on")
+  f = cfg.data.heldout_fraction
+  _require(0 <= f < 1, "data.heldout_fraction", f"must lie in [0, 1), got {f}")
+  training = [e for e in cfg.eval.sources if e in tuple(cfg.data.sources)]
+  _require(f > 0 or not training, "data.heldout_fraction",
+           f"is 0, but eval.sources names training sources {training}, which are evaluated on "
+           "their held-out part: set data.heldout_fraction > 0 (e.g. 0.01) or evaluate a separate "
+           "validation source")
 
 
 def _validate_data(d: ml_collections.ConfigDict) -> None:
@@ -212,8 +255,10 @@ def _validate_data(d: ml_collections.ConfigDict) -> None:
   weights = tuple(d.weights)
   _require(len(weights) == len(sources), "data.weights",
            f"needs one weight per source ({len(sources)}), got {weights!r}")
-  _require(all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights),
-           "data.weights", f"must be positive numbers, got {weights!r}")
+  _require(all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights)
+           and any(w > 0 for w in weights),
+           "data.weights", f"must be numbers >= 0, at least one positive, got {weights!r}")
+  _require(d.long_doc_weight >= 1, "data.long_doc_weight", f"must be >= 1, got {d.long_doc_weight}")
   v = d.vision
   _require(v.max_patches >= 4, "data.vision.max_patches", f"must be >= 4, got {v.max_patches}")
   _require(v.max_side >= 28 and v.max_side % 28 == 0, "data.vision.max_side",
@@ -225,6 +270,35 @@ def _validate_data(d: ml_collections.ConfigDict) -> None:
   _require(v.max_input_pixels >= 1, "data.vision.max_input_pixels", "must be >= 1")
   _require(v.max_patches_per_row >= 4 and v.max_grids_per_row >= 1, "data.vision",
            "max_patches_per_row must be >= 4 and max_grids_per_row >= 1")
+
+
+def _validate_vision(m: ml_collections.ConfigDict, d: ml_collections.ConfigDict) -> None:
+  """model.vision (docs/maths.md §6.2) and its agreement with data.vision."""
+  w = m.vision
+  _require(w.enabled == d.vision.enabled, "model.vision.enabled",
+           f"is {w.enabled} but data.vision.enabled is {d.vision.enabled}; they must agree (the "
+           "tower reads the pipeline's vision_* batch keys, which only data.vision.enabled emits)")
+  if not w.enabled:
+    return
+  for key in ("num_layers", "d_model", "num_heads", "head_dim", "mlp_hidden", "pos_height",
+              "pos_width", "max_frames"):
+    _require(w[key] > 0, f"model.vision.{key}", f"must be positive, got {w[key]}")
+  _require(w.head_dim % 4 == 0, "model.vision.head_dim",
+           f"must be divisible by 4 (2D RoPE rotates pairs by row and column), got {w.head_dim}")
+  _require(w.d_model % 2 == 0, "model.vision.d_model",
+           f"must be even (sin-cos time embedding), got {w.d_model}")
+  _require(w.patch_size == 14, "model.vision.patch_size",
+           f"must be 14: the pipeline cuts 14 × 14 px patches (588 values), got {w.patch_size}")
+  _require(d.vision.frames_per_chunk <= w.max_frames, "data.vision.frames_per_chunk",
+           f"{d.vision.frames_per_chunk} exceeds model.vision.max_frames={w.max_frames} (the "
+           "length of the tower's time table)")
+  _require(w.rope_theta > 0, "model.vision.rope_theta", "must be > 0")
+  _require(w.norm_eps > 0 and w.projector_norm_eps > 0, "model.vision",
+           "norm_eps and projector_norm_eps must be > 0")
+  _require(0 <= w.placeholder_id < m.vocab_size, "model.vision.placeholder_id",
+           f"must lie in [0, model.vocab_size={m.vocab_size}), got {w.placeholder_id}")
+  _require(w.backend in ATTENTION_BACKENDS, "model.vision.backend",
+           f"must be one of {ATTENTION_BACKENDS}, got {w.backend!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,3 +347,211 @@ def layer_schedule(m: ml_collections.ConfigDict) -> LayerSchedule:
       kinds[prefix + n * period_len: prefix + (n + 1) * period_len] == period:
     n += 1
   return LayerSchedule(kinds, prefix, period, n, prefix + n * period_len)
+
+
+# --- The staged context curriculum (train.stages; docs/maths.md §9) ----------------------------
+
+STAGE_LR_SEGMENTS = ("stable", "decay", "low")
+RETRIEVAL_TASKS = ("passkey", "multikey", "vartrack")   # k3train/data/retrieval.py
+_MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+
+
+def _validate_eval(ev: ml_collections.ConfigDict) -> None:
+  _require(ev.every_steps >= 0, "eval.every_steps", f"must be >= 0 (0: only at stage ends), got {ev.every_steps}")
+  _require(ev.batches >= 0, "eval.batches", f"must be >= 0, got {ev.batches}")
+  _require(ev.position_buckets >= 1, "eval.position_buckets", f"must be >= 1, got {ev.position_buckets}")
+  _require(all(isinstance(s, str) and s for s in ev.sources), "eval.sources",
+           f"must be source names, got {tuple(ev.sources)!r}")
+  bad = [task for task in ev.retrieval if task not in RETRIEVAL_TASKS]
+  _require(not bad, "eval.retrieval", f"unknown tasks {bad}; known: {RETRIEVAL_TASKS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One stage of a run: steps [start_step, end_step), trained with the whole config `cfg`."""
+  index: int
+  name: str
+  start_step: int
+  end_step: int
+  start_tokens: int              # tokens seen before the stage (global batch × seq_len per step)
+  lr: str                        # learning-rate segment ("" when no stage names one)
+  cfg: ml_collections.ConfigDict  # train.use_stages False; optim/train.steps carry the run's schedule
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.cfg.train.global_batch_size * self.cfg.data.seq_len
+
+
+def _stage_entry(i: int, entry) -> dict[str, Any]:
+  """A train.stages entry → its flat keys, checked against `defaults.curriculum_stage()`."""
+  if isinstance(entry, dict):
+    entry = ml_collections.ConfigDict(entry)
+  _require(isinstance(entry, ml_collections.ConfigDict), f"train.stages[{i}]",
+           f"must be a ConfigDict from defaults.curriculum_stage(...), got {type(entry).__name__}")
+  schema = _flatten(defaults.curriculum_stage())
+  given = _flatten(entry)
+  name = given.get("name", "")
+  where = f"train.stages[{i}] ({name!r})"
+  for key, value in given.items():
+    _require(key in schema, f"{where}.{key}", f"unknown stage key; known: {sorted(schema)}")
+    ref = schema[key]
+    if isinstance(ref, bool):
+      ok = isinstance(value, bool)
+    elif isinstance(ref, int):
+      ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(ref, float):
+      ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(ref, tuple):
+      ok = isinstance(value, (tuple, list))
+    else:
+      ok = isinstance(value, type(ref))
+    _require(ok, f"{where}.{key}", f"must be {type(ref).__name__}, got {value!r}")
+  out = {**schema, **given}
+  _require(isinstance(name, str) and name, f"{where}.name", "every stage needs a name")
+  for key in ("until_step", "until_tokens", "seq_len", "global_batch_size", "microbatches"):
+    _require(out[key] >= 0, f"{where}.{key}", f"must be >= 0 (0: as the previous stage), got {out[key]}")
+  _require(out["long_doc_weight"] == 0 or out["long_doc_weight"] >= 1, f"{where}.long_doc_weight",
+           f"must be 0 (as the previous stage) or >= 1, got {out['long_doc_weight']}")
+  _require(out["lr"] in ("",) + STAGE_LR_SEGMENTS, f"{where}.lr",
+           f"must be one of {STAGE_LR_SEGMENTS} or '' (as the previous stage), got {out['lr']!r}")
+  for axis in _MESH_AXES:
+    size = out[f"parallel.{axis}"]
+    _require(size >= -1, f"{where}.parallel.{axis}", f"must be >= 1, -1 (fill) or 0 (as before), got {size}")
+  return out
+
+
+def stages(cfg: ml_collections.ConfigDict) -> list[Stage]:
+  """The run's stages with the config of each (README "Curriculum").
+
+  Without train.use_stages: one stage, the config itself, to train.steps. Otherwise each entry of
+  train.stages changes its keys on top of the previous stage's config, and every stage's config is
+  validated; errors name the stage and the key. With learning-rate segments, every stage config
+  carries the run's warmup-stable-decay schedule as optim.schedule = "wsd",
+  optim.wsd_decay_fraction and train.steps = the step where the decay ends (its horizon).
+  """
+  t = cfg.train
+  if not t.use_stages:
+    return [Stage(0, "", 0, t.steps, 0, "", cfg)]
+  table = tuple(t.stages)
+  _require(len(table) >= 1, "train.stages", "is empty but train.use_stages is True")
+  entries = [_stage_entry(i, e) for i, e in enumerate(table)]
+  seen = {}
+  for i, e in enumerate(entries):
+    _require(e["name"] not in seen, f"train.stages[{i}] ({e['name']!r}).name",
+             f"repeats the name of train.stages[{seen.get(e['name'])}]")
+    seen[e["name"]] = i
+  named_lr = any(e["lr"] for e in entries)
+  records = []                   # (entry, where, cfg, start, end, start_tokens, lr)
+  prev, start, tokens, lr = cfg, 0, 0, "stable"
+  for i, e in enumerate(entries):
+    where = f"train.stages[{i}] ({e['name']!r})"
+    c = copy.deepcopy(prev)
+    c.train.use_stages = False
+    c.train.stages = ()
+    seq = e["seq_len"] or prev.data.seq_len
+    prev_tokens = prev.train.global_batch_size * prev.data.seq_len
+    if e["global_batch_size"]:
+      batch = e["global_batch_size"]
+    else:
+      _require(prev_tokens % seq == 0, f"{where}.global_batch_size",
+               f"0 keeps the previous {prev_tokens:,} tokens per step, which seq_len={seq} does not "
+               "divide; give global_batch_size")
+      batch = prev_tokens // seq
+    c.data.seq_len, c.train.global_batch_size = seq, batch
+    c.train.microbatches = e["microbatches"] or prev.train.microbatches
+    if e["weights"]:
+      _require(len(e["weights"]) == len(c.data.sources), f"{where}.weights",
+               f"needs one weight per data.sources entry {tuple(c.data.sources)}, got {tuple(e['weights'])}")
+      c.data.weights = tuple(float(w) for w in e["weights"])
+    if e["long_doc_weight"]:
+      c.data.long_doc_weight = float(e["long_doc_weight"])
+    for axis in _MESH_AXES:
+      if e[f"parallel.{axis}"]:
+        c.parallel[axis] = e[f"parallel.{axis}"]
+    if e["parallel.rules"]:
+      c.parallel.rules = e["parallel.rules"]
+    if e["lr"]:
+      _require(STAGE_LR_SEGMENTS.index(e["lr"]) >= STAGE_LR_SEGMENTS.index(lr), f"{where}.lr",
+               f"{e['lr']!r} after {lr!r}: the segments run stable → decay → low")
+      lr = e["lr"]
+    step_end, token_end = e["until_step"], e["until_tokens"]
+    _require(not (step_end and token_end), f"{where}.until_step",
+             "give until_step or until_tokens, not both")
+    per_step = batch * seq
+    if step_end:
+      end = step_end
+    elif token_end:
+      _require(token_end > tokens, f"{where}.until_tokens",
+               f"{token_end:,} is not after the {tokens:,} tokens seen when the stage starts")
+      end = start - (-(token_end - tokens) // per_step)
+    else:
+      _require(i == len(entries) - 1, f"{where}.until_step",
+               "every stage but the last needs until_step or until_tokens")
+      end = max(t.steps, start)   # the last stage runs to train.steps
+    _require(end > start or not (step_end or token_end), f"{where}.until_step",
+             f"the stage ends at step {end}, not after its start at step {start} (the previous "
+             "stage's end): stage ends must increase")
+    seq_shards = c.parallel.sequence
+    _require(seq_shards < 1 or seq % seq_shards == 0, f"{where}.seq_len",
+             f"{seq} is not divisible by parallel.sequence={seq_shards}")
+    batch_axes = [c.parallel[a] for a in ("data", "fsdp", "expert")]
+    shards = 1
+    for size in batch_axes:
+      shards *= size
+    if -1 not in batch_axes:
+      rows = batch // max(c.train.microbatches, 1)
+      _require(batch % c.train.microbatches == 0 and rows % shards == 0, f"{where}.global_batch_size",
+               f"{batch} rows in {c.train.microbatches} micro-batch(es) do not split over "
+               f"data·fsdp·expert = {shards} batch shards")
+    records.append((e, where, c, start, end, tokens, lr if named_lr else ""))
+    tokens += (end - start) * per_step
+    prev, start = c, end
+  last_end = records[-1][4]
+  if named_lr:
+    lrs = [r[6] for r in records]
+    if "decay" in lrs:
+      first = lrs.index("decay")
+      last = len(lrs) - 1 - lrs[::-1].index("decay")
+      decay_start, horizon = records[first][3], records[last][4]
+    elif "low" in lrs:
+      first = lrs.index("low")
+      _require(first > 0, f"{records[first][1]}.lr", "the first stage cannot be 'low' (it follows a stable or decay stage)")
+      horizon = records[first][3] - 1   # peak through this step, low from the next
+      decay_start = horizon
+    else:
+      decay_start = horizon = last_end
+    warmup = min(cfg.optim.warmup_steps, horizon)
+    _require(decay_start >= warmup, f"{records[first][1] if 'decay' in lrs else 'train.stages'}.lr",
+             f"the decay starts at step {decay_start}, inside the warmup (optim.warmup_steps="
+             f"{cfg.optim.warmup_steps}); start it later or shorten the warmup")
+    decay = horizon - decay_start
+    fraction = decay / horizon if decay else (0.25 / horizon if horizon else 1.0)
+    for r in records:
+      r[2].optim.schedule = "wsd"
+      r[2].optim.wsd_decay_fraction = float(fraction)
+      r[2].train.steps = int(horizon)
+  else:
+    for r in records:
+      r[2].train.steps = int(last_end)
+  out = []
+  for i, (e, where, c, start, end, start_tokens, seg) in enumerate(records):
+    try:
+      validate(c)
+    except ConfigError as err:
+      raise ConfigError(f"{where}: {err}") from None
+    out.append(Stage(i, e["name"], start, end, start_tokens, seg, c))
+  return out
+
+
+def run_end(cfg: ml_collections.ConfigDict, run_stages: list[Stage] | None = None) -> int:
+  """The step the run ends at: the last stage's end or train.steps, whichever comes first."""
+  run_stages = stages(cfg) if run_stages is None else run_stages
+  return min(cfg.train.steps, run_stages[-1].end_step)
+
+
+def stage_at(run_stages: list[Stage], step: int) -> int:
+  """Index of the stage that trains step `step` + 1 (a stage's end step belongs to the next)."""
+  for s in run_stages:
+    if step < s.end_step:
+      return s.index
+  return run_stages[-1].index

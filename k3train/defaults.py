@@ -60,23 +60,54 @@ def k3_full() -> ml_collections.ConfigDict:
   e.quantile_balancing = True
   e.backend = "auto"              # pallas_kernels.moe: auto (pallas_gpu on GPU, else ragged_dot)
 
+  q = m.quant = ml_collections.ConfigDict()   # MX QAT of the routed experts (docs/maths.md §7.5)
+  q.enabled = False               # K3 pre-trains in bf16; QAT is switched on for SFT / RL
+  q.start_step = 0                # first quantised step (state.step >= start_step; resume-exact)
+  q.weights = "mxfp4"             # expert weights, blocks of 32 along the input dim: mxfp4 | mxfp8
+  q.activations = "mxfp8"         # expert GEMM inputs, blocks along the contraction dim: mxfp8 | mxfp4 | none
+  q.scale_rule = "floor"          # E8M0 scale rule: floor (OCP reference) | rceil (cuBLAS / Blackwell)
+  q.gemm = "auto"                 # fake_quant | mx (gmm_mx reads MX codes) | auto (mx on GPU)
+
   r = m.attn_res = ml_collections.ConfigDict()
   r.block_size = 12               # decoder layers per AttnRes block
+
+  w = m.vision = ml_collections.ConfigDict()   # MoonViT-V2 tower + PatchMergerMLPV2 (docs/maths.md §6.2)
+  w.enabled = True                # trained jointly with the text model from scratch; must equal data.vision.enabled
+  w.num_layers = 27
+  w.d_model = 1024                # tower width
+  w.num_heads = 12
+  w.head_dim = 128                # fused qkv width 3 × 12 × 128
+  w.mlp_hidden = 4096             # tanh-GELU MLP
+  w.patch_size = 14               # px: the pipeline's patches hold 14 × 14 × 3 = 588 values
+  w.pos_height = 64               # learnable position table, bilinearly interpolated to each grid
+  w.pos_width = 64
+  w.max_frames = 4                # fixed sin-cos time table: frames of one video chunk
+  w.rope_theta = 10_000.0         # 2D RoPE base
+  w.norm_eps = 1e-6               # the tower's RMSNorms
+  w.projector_norm_eps = 1e-5     # the projector's output RMSNorm
+  w.placeholder_id = 5            # <|image_pad|> id of data.tokenizer (checked at start)
+  w.backend = "auto"              # see pallas_kernels.attention: reference | xla | pallas_gpu | pallas_tpu | auto
 
   d = c.data = ml_collections.ConfigDict()
   # Sources (k3train/data/sources.py): python_stdlib (embedded default corpus), synthetic_text,
   # synthetic_images, or KIND:PATH with KIND in jsonl, interleaved, text, parquet, array_record,
   # image_caption. `weights` (one per source) may change between curriculum stages.
-  d.sources = ("python_stdlib",)
-  d.weights = (1.0,)
+  # synthetic_passkey / _multikey / _vartrack: generated long-range retrieval documents sized for
+  # the stage's seq_len; weight 0 until a curriculum stage mixes them in (train.stages).
+  d.sources = ("python_stdlib", "synthetic_passkey", "synthetic_multikey", "synthetic_vartrack")
+  d.weights = (1.0, 0.0, 0.0, 0.0)
   d.tokenizer = "default"         # the shipped byte-level BPE, a tokenizers JSON or a tiktoken file
   d.seq_len = 4096
   d.shuffle_seed = 0
   d.num_workers = 0               # worker processes per source (grain mp_prefetch); 0 = in-process
   d.num_threads = 1               # reader threads per source (grain ReadOptions)
+  d.long_doc_weight = 1.0         # ≥ 1: keep documents of ≤ seq_len / 2 tokens with prob. 1 / this
+  # Share of every source's documents held out from training for evaluation, chosen by a hash of
+  # the document's id (k3train/train/evaluation.py); eval.sources naming a training source read it.
+  d.heldout_fraction = 0.01
 
   v = d.vision = ml_collections.ConfigDict()   # MoonViT-V2 input (docs/maths.md §6)
-  v.enabled = False               # emit vision_* batch keys; media segments are skipped when off
+  v.enabled = True                # emit vision_* batch keys; media segments are skipped when off
   v.max_patches = 16384           # 14-px patches per image (h·w), after resizing
   v.max_side = 3584               # px, after resizing (sides are multiples of 28)
   v.max_input_pixels = 16384 * 16384  # larger decoded images are skipped as oversized
@@ -94,6 +125,11 @@ def k3_full() -> ml_collections.ConfigDict:
   t.steps = 1_000_000
   t.log_every = 10
   t.peak_flops_per_device = 989e12  # dense bf16 peak of one H100/H200, for MFU
+  # The staged context curriculum (docs/maths.md §9), run in one process when use_stages is True:
+  # an ordered tuple of `curriculum_stage(...)` entries (README "Curriculum"). The run ends at
+  # the last stage's end or at train.steps, whichever comes first.
+  t.use_stages = True
+  t.stages = k3_curriculum()
 
   o = c.optim = ml_collections.ConfigDict()
   o.optimizer = "muon"             # muon (per-head Muon for matrices, AdamW for the rest) | adamw
@@ -130,4 +166,76 @@ def k3_full() -> ml_collections.ConfigDict:
   k.max_to_keep = 3
   k.async_save = True
 
+  ev = c.eval = ml_collections.ConfigDict()  # evals at the training length (k3train/train/evals.py)
+  ev.every_steps = 0              # > 0: also every N steps; with stages, always at each stage's end
+  ev.batches = 1                  # held-out batches (of train.global_batch_size rows) per eval
+  ev.sources = ("python_stdlib",)  # held-out text for the loss by position: point at a held-out split
+  ev.seed = 9_176                 # of the held-out stream and of the retrieval examples
+  ev.position_buckets = 4         # loss by position: [0, T/2^(n-1)), …, [T/4, T/2), [T/2, T)
+  ev.retrieval = ("passkey", "multikey", "vartrack")   # tasks scored at the training length
+
+  s = c.metrics = ml_collections.ConfigDict()  # metric sinks (k3train/train/writers.py); process 0 writes
+  s.tensorboard = True            # event files in WORKDIR/tensorboard (besides WORKDIR/*.jsonl, always)
+  s.wandb = False                 # Weights & Biases (pip install wandb); the run resumes with the workdir
+  s.wandb_project = "k3train"
+  s.vectors_every = 100           # steps between per-layer per-expert load rows (vectors.jsonl); 0: never
   return c
+
+
+def curriculum_stage(**values) -> ml_collections.ConfigDict:
+  """One entry of `train.stages`: every stage has exactly these keys (the stage schema).
+
+  0, 0.0, "" and () mean "as the previous stage" (the first stage: as the config outside
+  train.stages). A stage ends at `until_step` or when `until_tokens` tokens (global batch ×
+  seq_len per step, summed over the stages) have been seen; the last may give neither and
+  then ends at train.steps. With global_batch_size 0 the tokens per step stay those of the
+  previous stage. `lr` is the stage's learning-rate segment, a warmup-stable-decay shape over the
+  whole run: "stable" (the peak after optim.warmup_steps), "decay" (linear to
+  optim.min_lr_ratio × peak over the decay stages), "low" (min_lr_ratio × peak, constant).
+  `parallel.*` is the stage's mesh (-1 fills the devices) and rule recipe.
+  """
+  s = ml_collections.ConfigDict()
+  s.name = ""
+  s.until_step = 0
+  s.until_tokens = 0
+  s.seq_len = 0
+  s.global_batch_size = 0
+  s.microbatches = 0
+  s.weights = ()                  # one per data.sources
+  s.long_doc_weight = 0.0
+  s.lr = ""                       # stable | decay | low
+  p = s.parallel = ml_collections.ConfigDict()
+  for axis in ("data", "fsdp", "expert", "sequence", "tensor"):
+    p[axis] = 0
+  p.rules = ""
+  for key, value in values.items():
+    if key == "parallel":
+      for axis, size in dict(value).items():
+        if axis not in p:
+          raise ValueError(f"curriculum_stage: unknown key parallel.{axis}; known: {sorted(p)}")
+        p[axis] = size
+    elif key not in s:
+      raise ValueError(f"curriculum_stage: unknown key {key!r}; known: {sorted(s)}")
+    else:
+      s[key] = value
+  return s
+
+
+def k3_curriculum() -> tuple:
+  """K3's 4K → 1M plan (docs/maths.md §9) at 8 M tokens per step; meshes and micro-batches for
+  4,096 H200s (`python -m k3train.tools.plan --config=configs/k3_full.py --devices=4096
+  --device_memory=139` plans every stage: 8,192 tokens per device and micro-batch throughout)."""
+  return (
+      curriculum_stage(name="pretrain_4k", until_tokens=7_000_000_000_000, microbatches=2,
+                       lr="stable", parallel=dict(expert=2, tensor=8)),
+      curriculum_stage(name="midtrain_32k", until_tokens=7_800_000_000_000, seq_len=32_768,
+                       global_batch_size=256, long_doc_weight=4.0, lr="decay",
+                       parallel=dict(sequence=4)),
+      curriculum_stage(name="long_128k", until_tokens=8_100_000_000_000, seq_len=131_072,
+                       global_batch_size=64, weights=(0.94, 0.02, 0.02, 0.02), lr="low",
+                       parallel=dict(sequence=16)),
+      curriculum_stage(name="long_512k", until_tokens=8_300_000_000_000, seq_len=524_288,
+                       global_batch_size=16, parallel=dict(sequence=64)),
+      curriculum_stage(name="long_1m", seq_len=1_048_576, global_batch_size=8,
+                       weights=(0.8, 0.05, 0.1, 0.05), parallel=dict(sequence=128)),
+  )

@@ -15,6 +15,7 @@ PACKAGES = ("k3train", "pallas_kernels")
 # Layer of each group; a module may import its own group and groups of a lower layer only.
 LAYERS = {
     "pallas_kernels": 0, "k3train": 0, "k3train.tree_paths": 0, "k3train.defaults": 0,
+    "k3train.quant": 0,
     "k3train.config": 1,
     "k3train.cli": 2, "k3train.parallel": 2,
     "k3train.data": 3, "k3train.model": 3,

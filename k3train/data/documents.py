@@ -5,6 +5,7 @@ Encoding (`DocumentEncoder`, a grain Map, runs in reader threads / worker proces
   image            → <|image_start|> + h·w/4 × <|image_pad|> + <|image_end|>     (one grid)
   video chunk      → <|video_start|> + h·w/4 × <|image_pad|> + <|video_end|>     (per ≤4-frame grid)
   end of document  → <|eos|>
+  token ids        → as given (generated documents, `retrieval.TokenDocument`) + <|eos|>
 A media item that fails (`vision.MediaError`) or that could never fit one row (placeholders
 longer than the row, or more patches than `max_patches_per_row`) is left out and counted under
 its reason; the rest of the document is kept. A document with no text and no usable media is
@@ -27,6 +28,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from k3train.data import retrieval
 from k3train.data import sources as sources_lib
 from k3train.data import tokenizer as tokenizer_lib
 from k3train.data import vision
@@ -85,6 +87,9 @@ class DocumentEncoder(grain.transforms.Map):
       ids = self.tok.encode(item)
       ids.append(self.tok.eos_id)
       return Encoded(np.asarray(ids, np.int32), [], g0, off0, p0, errors)
+    if isinstance(item, retrieval.TokenDocument):  # generated, already token ids
+      return Encoded(np.append(item.ids, np.int32(self.tok.eos_id)).astype(np.int32), [], g0, off0,
+                     p0, errors)
     if not isinstance(item, dict) or "segments" not in item:
       self._count(errors, "bad_record", f"unexpected item type {type(item).__name__}")
       return Encoded(np.zeros((0,), np.int32), [], g0, off0, p0, errors)

@@ -30,10 +30,24 @@ never cut off a row); documents are split across rows only outside vision spans
 Iterator state (`get_state()`, plain JSON) holds the grain state, the configuration it belongs
 to and cumulative per-source error counters (`metrics()`).
 
-Mixture weights, seq_len and batch size may change between curriculum stages: restoring a
-state saved under other values keeps every source's exact position (document and token offset
-inside it) and restarts only the mixing pattern and the packer (which is empty at batch
-boundaries, so nothing is lost or repeated).
+Mixture weights, seq_len, long_doc_weight and batch size may change between curriculum stages:
+restoring a state saved under other values keeps every source's exact position (document and
+token offset inside it) and restarts only the mixing pattern and the packer (which is empty at
+batch boundaries, so nothing is lost or repeated). A weight may be 0 (at least one is positive):
+that source sits the stage out and its position is carried in the state ("idle") until a later
+stage weights it again.
+
+Long documents (curriculum stages)
+----------------------------------
+Packing cuts a document only where it must: a document of L tokens (with its end token) becomes
+ceil((L - 1) / T) pieces of at most T + 1 tokens, and first-fit packing never cuts a piece.
+`data.long_doc_weight` = w ≥ 1 samples by length: a document of at most T / 2 tokens is kept with
+probability 1 / w (a deterministic coin of the source's seed and the document's stream position,
+so resumption is exact) and skipped otherwise; longer documents are always kept. Their share of
+the batch's tokens is `long_doc_share` in `metrics()` (tokens of pieces whose document is longer
+than T / 2, over all packed tokens). Generated retrieval sources (`synthetic_passkey`,
+`synthetic_multikey`, `synthetic_vartrack`, k3train/data/retrieval.py) size their documents for
+the current seq_len.
 
 Hosts and resharding
 --------------------
@@ -163,6 +177,11 @@ def padding_fraction(batch: Mapping[str, np.ndarray]) -> float:
   return float(np.mean(seg == 0)) if seg.size else 0.0
 
 
+# Per-piece stats vector: error counts per (source slot, reason), then tokens of the piece that
+# come from a long document (longer than seq_len / 2), then all tokens of the piece.
+_LENGTH_STATS = 2
+
+
 class _SumStats(grain.transforms.Map):
   """Row: the list of per-piece stats vectors → their sum (a fixed-shape vector)."""
 
@@ -204,6 +223,22 @@ def initial_layout(process_index: int, process_count: int) -> dict:
   return {"frontier": 0, "count": process_count, "index": process_index, "holes": []}
 
 
+def initial_reader_state(process_index: int, process_count: int) -> dict:
+  return {"k3_reader": 1, "layout": initial_layout(process_index, process_count), "doc": 0,
+          "offset": 0, "pending": [0] * len(REASONS)}
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def unit_coin(seed: int, position: int) -> float:
+  """A uniform number in [0, 1) from (seed, position) alone (splitmix64 of their mix)."""
+  z = (int(seed) * 0x9E3779B97F4A7C15 + int(position) + 1) & _MASK64
+  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+  return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
 class SourceReader(grain.DatasetIterator):
   """Reads this host's positions of one source stream and cuts documents into pieces.
 
@@ -216,9 +251,10 @@ class SourceReader(grain.DatasetIterator):
 
   def __init__(self, *, slot: int, num_slots: int, stream: grain.MapDataset, encoder,
                budget: documents.RowBudget, with_vision: bool, read_options, mp_workers: int,
-               state: dict):
+               state: dict, long_doc_weight: float = 1.0, coin_seed: int = 0):
     super().__init__()
     self.slot, self.num_slots = slot, num_slots
+    self.long_doc_weight, self.coin_seed = float(long_doc_weight), int(coin_seed)
     self.stream, self.encoder, self.budget = stream, encoder, budget
     self.with_vision, self.read_options, self.mp_workers = with_vision, read_options, mp_workers
     self._set(state)
@@ -270,16 +306,26 @@ class SourceReader(grain.DatasetIterator):
       if not counted:
         self.pending += doc.errors
       if len(doc.tokens) - offset >= 2:
+        if offset == 0 and not counted and not self._keep(g, len(doc.tokens)):
+          continue                                 # a short document the stage samples away
         self.cur = (doc, j, offset)
     doc, j, start = self.cur
     end, first, stop, nxt = documents.split_piece(doc, start, self.budget)
     piece = documents.make_piece(doc, start, end, first, stop, with_vision=self.with_vision)
     self.cur = None if nxt < 0 else (doc, j, nxt)
-    stats = np.zeros((self.num_slots * len(REASONS),), np.int64)
+    stats = np.zeros((self.num_slots * len(REASONS) + _LENGTH_STATS,), np.int64)
     stats[self.slot * len(REASONS):(self.slot + 1) * len(REASONS)] = self.pending
+    stats[-1] = end + 1 - start
+    stats[-2] = stats[-1] if 2 * len(doc.tokens) > self.budget.seq_len else 0
     self.pending = np.zeros_like(self.pending)
     piece[_STATS] = stats
     return piece
+
+  def _keep(self, position: int, length: int) -> bool:
+    """Length-aware sampling: long documents always, short ones with probability 1 / weight."""
+    if self.long_doc_weight <= 1.0 or 2 * length > self.budget.seq_len:
+      return True
+    return unit_coin(self.coin_seed, position) * self.long_doc_weight < 1.0
 
   def get_state(self):
     if self.cur is not None:
@@ -361,7 +407,7 @@ def reader_states(state: Mapping[str, Any]) -> dict[str, dict]:
   mix = _find_mix_state(grain_state)
   if mix is None:
     raise ValueError("iterator state holds no source states")
-  return {k: v for k, v in mix["parents"].items()}
+  return {**state.get("idle", {}), **{k: v for k, v in mix["parents"].items()}}
 
 
 # --- building -----------------------------------------------------------------------------
@@ -369,6 +415,8 @@ def reader_states(state: Mapping[str, Any]) -> dict[str, dict]:
 # Iterator settings that may differ between a saved state and the pipeline restoring it: the
 # curriculum's data keys plus the batch and host layout (the mesh may change between stages).
 STAGE_KEYS = config_lib.DATA_STAGE_KEYS + ("batch_size", "process_index", "process_count")
+# Values of stage keys that states saved before the key existed stand for.
+_STAGE_KEY_DEFAULTS = {"long_doc_weight": 1.0}
 
 
 def _vision_cfg(v) -> tuple[vision_lib.VisionConfig, bool, int, int]:
@@ -403,6 +451,7 @@ def pipeline_config(data_cfg, *, batch_size: int, seed: int, process_index: int,
       "shuffle_seed": _get(data_cfg, "shuffle_seed", 0),
       "num_workers": int(_get(data_cfg, "num_workers", 0) or 0),
       "num_threads": int(_get(data_cfg, "num_threads", 1) or 0),
+      "long_doc_weight": float(_get(data_cfg, "long_doc_weight", 1.0)),
       "vision": _to_json_types(dict(v)) if v is not None else None,
       "batch_size": batch_size,
       "seed": seed,
@@ -427,11 +476,15 @@ def _check(config: dict) -> None:
     raise ValueError("data.sources must name at least one source")
   if len(set(specs)) != len(specs):
     raise ValueError(f"data.sources has duplicates: {specs}")
-  if len(weights) != len(specs) or any(not w > 0 for w in weights):
-    raise ValueError(f"data.weights must be {len(specs)} positive numbers (one per source), got {weights}")
+  if len(weights) != len(specs) or any(not w >= 0 for w in weights) or not any(w > 0 for w in weights):
+    raise ValueError(f"data.weights must be {len(specs)} numbers >= 0 (one per source), at least one "
+                     f"positive, got {weights}")
+  if not config.get("long_doc_weight", 1.0) >= 1.0:
+    raise ValueError(f"data.long_doc_weight must be >= 1, got {config['long_doc_weight']}")
 
 
-def _build(config: dict, reader_init: Mapping[str, dict] | None) -> tuple[grain.IterDataset, list]:
+def _build(config: dict, reader_init: Mapping[str, dict] | None) -> tuple[grain.IterDataset, dict]:
+  """The dataset and the states of the idle (weight 0) sources."""
   _check(config)
   specs, weights = config["sources"], config["weights"]
   seq_len, batch_size = int(config["seq_len"]), int(config["batch_size"])
@@ -443,68 +496,92 @@ def _build(config: dict, reader_init: Mapping[str, dict] | None) -> tuple[grain.
   tok = tokenizer_lib.load_tokenizer(config["tokenizer"])
   encoder = documents.DocumentEncoder(tok, vcfg if with_vision else None, budget)
   read_options = grain.ReadOptions(num_threads=config["num_threads"], prefetch_buffer_size=_PREFETCH)
-  readers = {}
+  readers, idle = {}, {}
   for slot, spec in enumerate(specs):
-    source = sources_lib.make_source(spec)  # ValueError lists allowed names.
+    state = (reader_init or {}).get(spec) or initial_reader_state(config["process_index"],
+                                                                  config["process_count"])
+    if not weights[slot] > 0:
+      if spec.partition(":")[0] not in sources_lib.SOURCES:
+        sources_lib.make_source(spec)                  # raises, listing the allowed names
+      idle[spec] = copy.deepcopy(state)
+      continue
+    stream_seed = _seed(config["shuffle_seed"], config["seed"], _spec_seed(spec))
+    kwargs = {}
+    if spec in sources_lib.RETRIEVAL_SOURCES:
+      kwargs = dict(tokenizer=tok, seq_len=seq_len, seed=stream_seed)
+    source = sources_lib.make_source(spec, **kwargs)  # ValueError lists allowed names.
     if len(source) < config["process_count"]:
       raise ValueError(f"source {spec!r} has {len(source)} documents, fewer than "
                        f"process_count={config['process_count']}")
-    stream = source_stream(source, _seed(config["shuffle_seed"], config["seed"], _spec_seed(spec)))
-    state = (reader_init or {}).get(spec) or {
-        "layout": initial_layout(config["process_index"], config["process_count"]),
-        "doc": 0, "offset": 0, "pending": [0] * len(REASONS)}
+    stream = source_stream(source, stream_seed)
     readers[spec] = _ReaderDataset(slot=slot, num_slots=len(specs), stream=stream, encoder=encoder,
                                    budget=budget, with_vision=with_vision, read_options=read_options,
-                                   mp_workers=config["num_workers"], state=state)
-  mixed = grain.IterDataset.mix(readers, dict(zip(specs, weights)))  # also for one source:
+                                   mp_workers=config["num_workers"], state=state,
+                                   long_doc_weight=config.get("long_doc_weight", 1.0),
+                                   coin_seed=_seed(stream_seed, 1))
+  mixed = grain.IterDataset.mix(readers, {s: w for s, w in zip(specs, weights) if w > 0})  # also for one source:
   # the state layout (mix → {spec: reader}) is then the same for every pipeline.
   length_struct = {TOKENS: seq_len + 1}
   if with_vision:
     length_struct.update(vision_patches=max_patches_row, vision_grids=max_grids_row)
   packed = FirstFitPackIterDataset(mixed, length_struct=length_struct, num_packing_bins=batch_size,
                                    shuffle_bins=False, meta_features=(_STATS,))
-  packed = packed.map(_SumStats(len(specs) * len(REASONS)))
+  packed = packed.map(_SumStats(len(specs) * len(REASONS) + _LENGTH_STATS))
   ids = tok.special_ids
   no_loss = [ids[tokenizer_lib.IMAGE_PAD], ids[tokenizer_lib.IMAGE_END], ids[tokenizer_lib.VIDEO_END]]
   ds = packed.batch(batch_size, drop_remainder=True).map(_Finalize(no_loss, with_vision))
-  return ds, list(readers)
+  return ds, idle
 
 
 class DataIterator(grain.DatasetIterator):
   """The batch iterator: a grain DatasetIterator with a JSON-native, restorable state.
 
-  `metrics()` gives cumulative per-source skip counters ("errors/<source>/<reason>"), batches
-  and the padding fraction of the last batch; the counters are part of the state.
+  `metrics()` gives cumulative per-source skip counters ("errors/<source>/<reason>"), batches,
+  and of the last batch the padding fraction and the share of tokens from documents longer than
+  seq_len / 2 (`long_doc_share`); the counters are part of the state.
   """
 
   def __init__(self, config: dict, reader_init: Mapping[str, dict] | None = None):
     self._config = config
     self._closed = True  # Until built: a failed build must not break grain's __del__/close.
-    ds, _ = _build(config, reader_init)
+    ds, self._idle = _build(config, reader_init)
     super().__init__()
     self._it = iter(ds)
     self._errors = np.zeros((len(config["sources"]), len(REASONS)), np.int64)
     self._batches = 0
     self._last_padding = 0.0
+    self._last_long_share = 0.0
 
   def __next__(self) -> dict[str, np.ndarray]:
     batch = dict(next(self._it))
-    stats = np.asarray(batch.pop(_STATS)).reshape(-1, len(self._config["sources"]), len(REASONS))
-    self._errors += stats.sum(axis=0)
+    n_err = len(self._config["sources"]) * len(REASONS)
+    stats = np.asarray(batch.pop(_STATS)).reshape(-1, n_err + _LENGTH_STATS)
+    self._errors += stats[:, :n_err].reshape(-1, len(self._config["sources"]), len(REASONS)).sum(axis=0)
+    long_tokens, tokens = stats[:, n_err:].sum(axis=0)
+    self._last_long_share = float(long_tokens / tokens) if tokens else 0.0
     self._batches += 1
     self._last_padding = padding_fraction(batch)
     return batch
 
+  @property
+  def long_doc_share(self) -> float:
+    """Share of the last batch's tokens from documents longer than seq_len / 2."""
+    return self._last_long_share
+
   def metrics(self) -> dict[str, float]:
-    out = {"batches": float(self._batches), "padding_fraction": self._last_padding}
+    out = {"batches": float(self._batches), "padding_fraction": self._last_padding,
+           "long_doc_share": self._last_long_share}
     for s, spec in enumerate(self._config["sources"]):
       for r, reason in enumerate(REASONS):
         out[f"errors/{spec}/{reason}"] = float(self._errors[s, r])
     return out
 
   def get_state(self) -> dict[str, Any]:
-    return {"config": copy.deepcopy(self._config), "grain": _to_json_types(self._it.get_state()),
-            "errors": self._errors.tolist(), "batches": self._batches}
+    state = {"config": copy.deepcopy(self._config), "grain": _to_json_types(self._it.get_state()),
+             "errors": self._errors.tolist(), "batches": self._batches}
+    if self._idle:
+      state["idle"] = copy.deepcopy(self._idle)
+    return state
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     if isinstance(state, Mapping) and "hosts" in state:
@@ -528,8 +605,10 @@ class DataIterator(grain.DatasetIterator):
                          f"{saved.get('process_count')}; restoring on host {self._config['process_index']} "
                          f"of {self._config['process_count']} needs all hosts' states: "
                          "set_state({'hosts': [state of host 0, ...]})")
-    if all(saved.get(k) == self._config[k] for k in STAGE_KEYS if k not in ("num_workers", "num_threads")):
+    if all(saved.get(k, _STAGE_KEY_DEFAULTS.get(k)) == self._config[k]
+           for k in STAGE_KEYS if k not in ("num_workers", "num_threads")):
       self._it.set_state(copy.deepcopy(state["grain"]))   # Exact continuation.
+      self._idle = copy.deepcopy(dict(state.get("idle", {})))
     else:
       self._restart(reader_states(state))
     self._errors = np.asarray(state.get("errors", np.zeros_like(self._errors)), np.int64).reshape(self._errors.shape)
@@ -558,7 +637,7 @@ class DataIterator(grain.DatasetIterator):
 
   def _restart(self, init: Mapping[str, dict]) -> None:
     self._it.close()
-    ds, _ = _build(self._config, init)
+    ds, self._idle = _build(self._config, init)
     self._it = iter(ds)
 
   def close(self) -> None:

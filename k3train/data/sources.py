@@ -483,19 +483,27 @@ class SyntheticSource:
     return {"segments": [{"image": self.pool[i % len(self.pool)]}, {"text": self._text(i, 24)}]}
 
 
-SOURCES = ("python_stdlib", "synthetic_text", "synthetic_images", "jsonl", "interleaved", "text",
-           "parquet", "array_record", "image_caption")
+SOURCES = ("python_stdlib", "synthetic_text", "synthetic_images", "synthetic_passkey",
+           "synthetic_multikey", "synthetic_vartrack", "jsonl", "interleaved", "text", "parquet",
+           "array_record", "image_caption")
+# Generated retrieval documents (k3train/data/retrieval.py): sized for the stage's seq_len and
+# tokenized by the run's tokenizer, so `make_source` needs tokenizer=, seq_len= and seed= for them.
+RETRIEVAL_SOURCES = ("synthetic_passkey", "synthetic_multikey", "synthetic_vartrack")
 
 
 def make_source(spec: str, **kwargs):
   """The document source described by `spec`: a name, or `kind:path` (path may be a glob).
 
-  python_stdlib | synthetic_text | synthetic_images | jsonl:PATH | interleaved:PATH (JSONL with
-  segments) | text:PATH | parquet:PATH | array_record:PATH | image_caption:DIR.
+  python_stdlib | synthetic_text | synthetic_images | synthetic_passkey | synthetic_multikey |
+  synthetic_vartrack | jsonl:PATH | interleaved:PATH (JSONL with segments) | text:PATH |
+  parquet:PATH | array_record:PATH | image_caption:DIR.
   """
   kind, _, path = spec.partition(":")
   if kind == "python_stdlib" and not path:
     return PythonStdlibSource(**kwargs)
+  if kind in RETRIEVAL_SOURCES and not path:
+    from k3train.data import retrieval
+    return retrieval.RetrievalSource(kind.split("_", 1)[1], **kwargs)
   if kind in ("synthetic_text", "synthetic_images") and not path:
     return SyntheticSource(kind.split("_")[1], **kwargs)
   makers = {"jsonl": JsonlSource, "interleaved": JsonlSource, "text": TextFilesSource,
@@ -504,5 +512,5 @@ def make_source(spec: str, **kwargs):
   if kind in makers and path:
     return makers[kind](path, **kwargs)
   raise ValueError(f"unknown data source {spec!r}; allowed values: python_stdlib, synthetic_text, "
-                   "synthetic_images, or KIND:PATH with KIND one of jsonl, interleaved, text, "
+                   "synthetic_images, synthetic_passkey, synthetic_multikey, synthetic_vartrack, or KIND:PATH with KIND one of jsonl, interleaved, text, "
                    "parquet, array_record, image_caption")

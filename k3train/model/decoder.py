@@ -3,7 +3,9 @@
 Layout (docs/maths.md §10, docs/design.md principle 2): an unscanned prefix (the dense first layer up to the
 first MLA layer), `lax.scan` over identical super-blocks [KDA, KDA, KDA, MLA] (each with MoE),
 and an unscanned suffix (K3: the final extra MLA layer). Each sublayer input is an AttnRes mix
-over completed block sums and the running partial sum (docs/maths.md §3.2).
+over completed block sums and the running partial sum (docs/maths.md §3.2). With model.vision on,
+the vision tower's tokens replace the placeholder embeddings before the first layer
+(k3train/model/vision.py, docs/maths.md §6).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from k3train.model import layers
 from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from k3train.model.moe import StableLatentMoE
+from k3train.model import vision as vision_lib
 
 
 class DecoderLayer(nnx.Module):
@@ -107,6 +110,12 @@ class K3Model(nnx.Module):
     self.final_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.lm_head = layers.Linear((m.d_model,), (m.vocab_size,), (ax.EMBED, ax.VOCAB), std=m.init_std,
                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    # The vision tower is created last, so the text parameters initialise the same with or without it.
+    w = m.get("vision")
+    self.placeholder_id = w.placeholder_id if w is not None and w.enabled else None
+    self.vision = nnx.data(vision_lib.VisionTower(w, d_model=m.d_model, remat_policy=m.remat_policy,
+                                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                           if self.placeholder_id is not None else None)
 
   def _run_stack(self, stream, segment_ids_bt, token_mask_bt):
     sched = self.schedule
@@ -142,11 +151,19 @@ class K3Model(nnx.Module):
     nnx.update(layer, new_rest)
     return stream
 
-  def hidden_states(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
-    """The final AttnRes mix before the norm, [B, T, d] (also the MTP input)."""
+  def hidden_states(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None, vision=None) -> jax.Array:
+    """The final AttnRes mix before the norm, [B, T, d] (also the MTP input).
+
+    `vision`: the batch's vision_patches / vision_grids / vision_grid_ids (a mapping) when the
+    tower is on; its tokens replace the placeholder embeddings (vision.splice).
+    """
     if token_mask_bt is None:
       token_mask_bt = jnp.ones(tokens_bt.shape, jnp.float32)
     x = constrain(self.embed(tokens_bt), ax.BATCH, ax.SEQ, ax.EMBED)
+    if vision is not None and self.vision is not None:
+      tokens_bnd = self.vision(vision["vision_patches"], vision["vision_grids"], vision["vision_grid_ids"])
+      x = constrain(vision_lib.splice(x, tokens_bt, tokens_bnd, self.placeholder_id),
+                    ax.BATCH, ax.SEQ, ax.EMBED)
     stream = attnres.init_stream(x, self.max_sources)
     for i, layer in enumerate(self.prefix):
       stream = self._run_layer(layer, stream, i, segment_ids_bt, token_mask_bt)
@@ -158,8 +175,8 @@ class K3Model(nnx.Module):
     blocks, num_blocks, p = stream
     return self.out_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
 
-  def __call__(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
-    h = self.hidden_states(tokens_bt, segment_ids_bt, token_mask_bt)
+  def __call__(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None, vision=None) -> jax.Array:
+    h = self.hidden_states(tokens_bt, segment_ids_bt, token_mask_bt, vision)
     logits = self.lm_head(self.final_norm(h))
     return constrain(logits, ax.BATCH, ax.SEQ, ax.VOCAB)
 

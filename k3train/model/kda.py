@@ -2,6 +2,12 @@
 
 The recurrence itself lives in `pallas_kernels.kda.kda` (reference / chunked JAX / Pallas backends);
 this module computes its inputs and post-processes its output.
+
+Generation (docs/maths.md §1.5) uses two more entry points with a per-layer cache
+{"state": S [B, H, K, V] fp32, "conv": the last W−1 pre-convolution inputs [B, W−1, 3, H, K]
+(q, k, v branches)}: `prefill` (the training forward plus the cache it leaves) and
+`decode_step` (one token: the causal conv from the cached inputs, then one step of the
+recurrence). A token that starts a new document zeroes both before it is processed.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+
+from pallas_kernels.kda import kda as kda_op, kda_decode_step
 
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
@@ -114,3 +122,86 @@ class KimiDeltaAttention(nnx.Module):
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(self.g_proj(x_btd).astype(jnp.float32))
     o = constrain(o.astype(self.dtype), *act)
     return self.o_proj(o)
+
+  # ------------------------------------------------------------------ generation (§1.5)
+
+  def _branch_inputs(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pre-convolution q, k, v projections [B, T, H, K] (what the conv cache holds)."""
+    return self.q_proj(x_btd), self.k_proj(x_btd), self.v_proj(x_btd)
+
+  def _gates(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(β [B, T, H], g [B, T, H, K]) in fp32, as in `__call__`."""
+    beta = jax.nn.sigmoid(self.b_proj(x_btd).astype(jnp.float32))
+    z = self.f_b_proj(self.f_a_proj(x_btd)).astype(jnp.float32) + self.dt_bias[...]
+    return beta, lower_bound_gate(z, self.A_log[...], self.lower_bound)
+
+  def _output(self, o_bthv: jax.Array, x_btd: jax.Array) -> jax.Array:
+    o = self.o_norm(o_bthv.astype(jnp.float32)) * jax.nn.sigmoid(self.g_proj(x_btd).astype(jnp.float32))
+    return self.o_proj(o.astype(self.dtype))
+
+  def prefill(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None):
+    """(out [B, T, d], cache): `__call__`'s numbers on one device, plus the decode cache.
+
+    The cache's conv history holds the last W−1 pre-conv inputs of the last token's document
+    (zeros where an earlier document or the sequence start lies), the state is the recurrence's
+    final state (reset at every document start, so it belongs to the last document).
+    """
+    pre = self._branch_inputs(x_btd)
+    convs = (self.q_conv[...], self.k_conv[...], self.v_conv[...])
+    q, k, v = (jax.nn.silu(causal_conv(p, w, segment_ids_bt)) for p, w in zip(pre, convs))
+    q, k = l2_normalize(q), l2_normalize(k)
+    beta, g = self._gates(x_btd)
+    o, state = kda_op(q.astype(self.dtype), k.astype(self.dtype), v, g, beta,
+                      segment_ids=segment_ids_bt, chunk_size=self.chunk_size, backend=self.backend,
+                      output_final_state=True)
+    return self._output(o, x_btd), {"state": state, "conv": _conv_history(pre, segment_ids_bt,
+                                                                          convs[0].shape[0])}
+
+  def decode_step(self, x_b1d: jax.Array, cache: dict, reset_b: jax.Array):
+    """One token per row: x_b1d [B, 1, d] → (out [B, 1, d], new cache).
+
+    reset_b [B] bool: the token starts a new document (state and conv history restart at zero).
+    """
+    reset = reset_b.astype(bool)
+    hist = jnp.where(reset[:, None, None, None, None], 0, cache["conv"])       # [B, W-1, 3, H, K]
+    pre = self._branch_inputs(x_b1d)
+    convs = (self.q_conv[...], self.k_conv[...], self.v_conv[...])
+    width = convs[0].shape[0]
+    ys = []
+    for i, (p, w) in enumerate(zip(pre, convs)):
+      x_t = p[:, 0]                                                          # [B, H, K]
+      # Same terms in the same order as `causal_conv` (the current tap first).
+      y = x_t * w[width - 1].astype(x_t.dtype)
+      for shift in range(1, width):
+        y = y + hist[:, width - 1 - shift, i].astype(x_t.dtype) * w[width - 1 - shift].astype(x_t.dtype)
+      ys.append(jax.nn.silu(y))
+    q, k = l2_normalize(ys[0]), l2_normalize(ys[1])
+    beta, g = self._gates(x_b1d)
+    state = jnp.where(reset[:, None, None, None], 0.0, cache["state"])
+    o, state = kda_decode_step(q.astype(self.dtype), k.astype(self.dtype), ys[2], g[:, 0],
+                               beta[:, 0], state)
+    new_in = jnp.stack([p[:, 0] for p in pre], axis=1)[:, None]              # [B, 1, 3, H, K]
+    hist = jnp.concatenate([hist[:, 1:], new_in.astype(hist.dtype)], axis=1) if width > 1 else hist
+    return self._output(o[:, None], x_b1d), {"state": state, "conv": hist}
+
+  def empty_cache(self, batch: int, dtype) -> dict:
+    """A cache for `batch` rows before any token (zero state and history)."""
+    h, k = self.num_heads, self.head_dim
+    width = self.q_conv.shape[0]
+    return {"state": jnp.zeros((batch, h, k, k), jnp.float32),
+            "conv": jnp.zeros((batch, width - 1, 3, h, k), dtype)}
+
+
+def _conv_history(pre, segment_ids_bt: jax.Array | None, width: int) -> jax.Array:
+  """The last W−1 pre-conv inputs of q, k, v [B, W−1, 3, H, K], zero outside the last document."""
+  x = jnp.stack(pre, axis=2)                                                 # [B, T, 3, H, K]
+  b, t = x.shape[:2]
+  keep = width - 1
+  if keep == 0:
+    return x[:, :0]
+  if segment_ids_bt is not None:
+    same = segment_ids_bt == segment_ids_bt[:, -1:]
+    x = jnp.where(same[:, :, None, None, None], x, 0)
+  if t < keep:
+    x = jnp.pad(x, ((0, 0), (keep - t, 0), (0, 0), (0, 0), (0, 0)))
+  return x[:, -keep:]

@@ -3,6 +3,12 @@
 No rotary embedding anywhere: the 64-dim "rope" slot of q and the shared key k^R are used
 unrotated, and the softmax scale counts them (1/sqrt(d_nope + d_rope)). A sigmoid gate on the
 concatenated head outputs precedes o_proj. Attention never crosses documents (segment ids).
+
+Generation (docs/maths.md §2.3): each layer caches, per token, the normalised latent c and the
+shared key k^R, [c ; k^R] of kv_lora_rank + qk_rope_head_dim values (576 for K3) whatever the
+number of heads. `prefill` is the training forward plus those rows; `decode_step` attends one
+new token over the cache with the absorbed weights: W^UK folded into the query, W^UV applied
+after the softmax, so per-head keys and values are never formed.
 """
 
 from __future__ import annotations
@@ -80,3 +86,43 @@ class GatedMLA(nnx.Module):
       out = out * jax.nn.sigmoid(self.g_proj(x_btd).astype(f32))
     out = constrain(out.astype(self.dtype), ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     return self.o_proj(out)
+
+  # ------------------------------------------------------------------ generation (§2.3)
+
+  def latent(self, x_btd: jax.Array) -> jax.Array:
+    """[c ; k^R] [B, T, kv_lora_rank + rope]: what the decode cache holds per token."""
+    kv_a = self.kv_a_proj(x_btd)
+    c = self.kv_a_norm(kv_a[..., :self.kv_lora_rank])
+    return jnp.concatenate([c, kv_a[..., self.kv_lora_rank:]], axis=-1)
+
+  def prefill(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None):
+    """(out [B, T, d] of the training path, latent rows [B, T, kv_lora_rank + rope])."""
+    return self(x_btd, segment_ids_bt), self.latent(x_btd)
+
+  def decode_step(self, x_b1d: jax.Array, latent_bsc: jax.Array, pos: jax.Array,
+                  allowed_bs: jax.Array):
+    """One new token per row attending over the latent cache with absorbed weights.
+
+    x_b1d [B, 1, d]; latent_bsc [B, S, kv_lora_rank + rope] (rows before `pos` filled); pos the
+    slot of this token; allowed_bs [B, S] bool: the cache slots the token may attend to (its
+    own slot included). Returns (out [B, 1, d], the cache with this token's row at `pos`).
+    """
+    f32, hp = jnp.float32, jax.lax.Precision.HIGHEST
+    row = self.latent(x_b1d).astype(latent_bsc.dtype)                      # [B, 1, C + R]
+    latent_bsc = jax.lax.dynamic_update_slice_in_dim(latent_bsc, row, pos, axis=1)
+    q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_b1d)))[:, 0].astype(f32)   # [B, H, n + r]
+    q_c, q_r = q[..., :self.nope], q[..., self.nope:]
+    w_kvb = self.kv_b_proj.kernel[...].astype(self.dtype).astype(f32)       # [C, H, n + v]
+    w_uk, w_uv = w_kvb[..., :self.nope], w_kvb[..., self.nope:]
+    cache = latent_bsc.astype(f32)
+    c_bsc, kr_bsr = cache[..., :self.kv_lora_rank], cache[..., self.kv_lora_rank:]
+    q_lat = jnp.einsum("bhn,chn->bhc", q_c, w_uk, precision=hp)            # W^UK folded into q
+    scores = (jnp.einsum("bhc,bsc->bhs", q_lat, c_bsc, precision=hp)
+              + jnp.einsum("bhr,bsr->bhs", q_r, kr_bsr, precision=hp)) * self.scale
+    scores = jnp.where(allowed_bs[:, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    a_lat = jnp.einsum("bhs,bsc->bhc", probs, c_bsc, precision=hp)         # [B, H, C]
+    out = jnp.einsum("bhc,chv->bhv", a_lat, w_uv, precision=hp)[:, None]    # W^UV after attention
+    if self.output_gate:
+      out = out * jax.nn.sigmoid(self.g_proj(x_b1d).astype(f32))
+    return self.o_proj(out.astype(self.dtype)), latent_bsc

@@ -19,10 +19,23 @@ State paths (the convention `qb_bias_update` relies on), for a StableLatentMoE a
 
 Stacked (scanned) layers add a leading layer axis to all three; the update is elementwise, so
 it is the same for them.
+
+MX quantisation-aware training (docs/maths.md §7.5, `model.quant`): the routed-expert weights
+P/experts/{gate,up,down} are fake-quantised along their input dimension (axis −2, stacked or
+not) once per step by `fake_quant_expert_weights` (the train step's hook), and inside an
+`expert_quantization` block the expert GEMMs quantise their input activations along the
+contraction dimension; everything else in the layer stays in the model dtype. With
+`gemm="mx"` the GEMMs read MX encodings through `pallas_kernels.moe.gmm_mx`. Whether a step is
+quantised is a traced boolean (from the step counter), so turning QAT on never retraces.
+`export_routed_experts` writes the experts as MXFP4 in the release byte layout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -32,6 +45,7 @@ from flax import nnx
 from k3train.parallel import axes as ax
 from k3train.model.layers import GluMLP, Linear, RMSNorm, normal_init, param, situ_glu
 from k3train.parallel import expert as expert_parallel
+from k3train.quant import mx
 from pallas_kernels import moe as moe_ops
 
 
@@ -196,6 +210,73 @@ def count_expert_load(idx_tk: jax.Array, token_mask_t: jax.Array, num_experts: i
   return jnp.bincount(idx, length=num_experts + 1)[:num_experts].astype(jnp.float32)
 
 
+# ----------------------------------------------------------------------------- MX QAT settings
+
+@dataclasses.dataclass(frozen=True)
+class ExpertQuant:
+  """Static QAT settings of the routed-expert GEMMs (from `model.quant`, docs/maths.md §7.5).
+
+  weights: MX format of the expert weights (blocks along their input dimension).
+  activations: MX format of the GEMM inputs (blocks along the contraction dim), or "none".
+  gemm: "fake_quant" (quantise-dequantise, then the plain gmm) or "mx" (`gmm_mx` reads the MX
+  encodings: MXFP4 weights and MXFP8 activations only). Both give the same values.
+  start_step: the first quantised step (a step is quantised iff state.step >= start_step).
+  """
+  weights: str = "mxfp4"
+  activations: str = "mxfp8"
+  scale_rule: str = "floor"
+  gemm: str = "fake_quant"
+  start_step: int = 0
+
+  def __post_init__(self):
+    mx.element_format(self.weights)
+    if self.activations != "none":
+      mx.element_format(self.activations)
+    if self.scale_rule not in mx.SCALE_RULES:
+      raise ValueError(f"unknown MX scale rule {self.scale_rule!r}; allowed: {mx.SCALE_RULES}")
+    if self.gemm not in ("fake_quant", "mx"):
+      raise ValueError(f"ExpertQuant.gemm must be fake_quant or mx, got {self.gemm!r}")
+    if self.gemm == "mx" and (self.weights, self.activations) != ("mxfp4", "mxfp8"):
+      raise ValueError("ExpertQuant.gemm='mx' reads MXFP4 weights and MXFP8 activations; got "
+                       f"weights={self.weights!r}, activations={self.activations!r}")
+
+
+def expert_quant_from_config(q: Any) -> ExpertQuant | None:
+  """`model.quant` → ExpertQuant, or None when QAT is off. gemm "auto" is "mx" on a GPU (with
+  MXFP4 weights and MXFP8 activations) and "fake_quant" elsewhere (TPU, CPU)."""
+  if not q.enabled:
+    return None
+  gemm = q.gemm
+  if gemm == "auto":
+    gemm = ("mx" if jax.default_backend() == "gpu"
+            and (q.weights, q.activations) == ("mxfp4", "mxfp8") else "fake_quant")
+  return ExpertQuant(weights=q.weights, activations=q.activations, scale_rule=q.scale_rule,
+                     gemm=gemm, start_step=int(q.start_step))
+
+
+_EXPERT_QUANT: contextvars.ContextVar = contextvars.ContextVar("k3train_expert_quant",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def expert_quantization(settings: ExpertQuant | None, active=True, *,
+                        weights_quantized: bool = False):
+  """Within this block (at trace time) every RoutedExperts GEMM is quantised where `active`.
+
+  active: a bool or a traced boolean scalar (the train step passes state.step >= start_step);
+  the experts choose between the quantised and the plain GEMMs with `lax.cond`.
+  weights_quantized: the expert weights given to the model already hold Q(W) (the train step
+  quantises them once per step with `fake_quant_expert_weights`); otherwise each GEMM
+  fake-quantises its weight itself (the same values, Q being idempotent). settings None: no-op.
+  """
+  token = _EXPERT_QUANT.set(None if settings is None
+                            else (settings, active, bool(weights_quantized)))
+  try:
+    yield
+  finally:
+    _EXPERT_QUANT.reset(token)
+
+
 # ----------------------------------------------------------------------------- experts
 
 
@@ -227,11 +308,41 @@ class RoutedExperts(nnx.Module):
     return self.gate.get_value(), self.up.get_value(), self.down.get_value()
 
   def apply(self, x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl) -> jax.Array:
-    """The expert MLP on rows grouped by expert, with explicit (possibly device-local) weights."""
+    """The expert MLP on rows grouped by expert, with explicit (possibly device-local) weights.
+
+    Inside an `expert_quantization` block the GEMMs are MX-quantised where the block is active."""
+    quant = _EXPERT_QUANT.get()
+    operands = (x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl)
+    if quant is None:
+      return self._mlp(*operands)
+    settings, active, weights_quantized = quant
+    quantised = functools.partial(self._mlp, quant=(settings, weights_quantized))
+    return jax.lax.cond(active, quantised, self._mlp, *operands)
+
+  def _mlp(self, x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl, *, quant=None):
     x_ml = x_sorted_ml.astype(self.dtype)
-    mm = lambda a, w: moe_ops.gmm(a, w.astype(self.dtype), group_sizes_e, backend=self.backend)
+    if quant is None:
+      mm = lambda a, w: moe_ops.gmm(a, w.astype(self.dtype), group_sizes_e, backend=self.backend)
+    else:
+      mm = lambda a, w: self._mx_gmm(a, w, group_sizes_e, *quant)
     h_mf = situ_glu(mm(x_ml, gate_elf), mm(x_ml, up_elf), self.beta, self.linear_beta)
     return mm(h_mf, down_efl)
+
+  def _mx_gmm(self, a_mk, w_ekn, group_sizes_e, q: ExpertQuant, weights_quantized: bool):
+    """gmm(fq(a), fq(w)): a blocked along K (its last axis), w [E, K, N] along K (axis 1)."""
+    rule = q.scale_rule
+    if q.gemm == "mx":
+      codes, scales = mx.quantize(a_mk, q.activations, axis=-1, rule=rule)
+      # Re-encoding weights that already hold Q(W) is exact (Q is idempotent, tests/quant).
+      packed, w_scales = mx.export_mxfp4(w_ekn, in_axis=1, rule=rule)   # release [E, N, K/2]
+      return moe_ops.gmm_mx(a_mk, w_ekn.astype(self.dtype), group_sizes_e, lhs_codes=codes,
+                            lhs_scales=mx.scale_bytes(scales), rhs_packed=packed,
+                            rhs_scales=w_scales, backend=self.backend)
+    if q.activations != "none":
+      a_mk = mx.fake_quant(a_mk, q.activations, axis=-1, rule=rule)
+    if not weights_quantized:
+      w_ekn = mx.fake_quant(w_ekn, q.weights, axis=1, rule=rule)
+    return moe_ops.gmm(a_mk, w_ekn.astype(self.dtype), group_sizes_e, backend=self.backend)
 
   def __call__(self, x_sorted_ml: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
     """x_sorted_ml [M, ℓ] grouped by expert, group_sizes_e [E] → y_sorted_ml [M, ℓ] (dtype)."""
@@ -393,3 +504,69 @@ def qb_bias_update(rest_state: nnx.State) -> nnx.State:
 def apply_quantile_balancing(model: nnx.Module) -> None:
   """In place: set every StableLatentMoE's router bias (stacked ones included) to its qb_pending."""
   nnx.update(model, qb_bias_update(nnx.state(model, nnx.Any(RouterBias, QBPending))))
+
+
+# ----------------------------------------------------------------------------- MX QAT and export
+
+EXPERT_WEIGHTS = ("gate", "up", "down")   # RoutedExperts parameters; input dimension at axis −2
+
+
+def is_routed_expert_weight(path: tuple) -> bool:
+  """True for the state path of a RoutedExperts weight: (..., "experts", gate|up|down)."""
+  return len(path) >= 2 and path[-2] == "experts" and path[-1] in EXPERT_WEIGHTS
+
+
+def fake_quant_expert_weights(params: nnx.State, settings: ExpertQuant, active=True) -> nnx.State:
+  """A copy of `params` in which every routed-expert weight holds Q(W) where `active`.
+
+  Q quantises to `settings.weights` along the input dimension (axis −2: [E, in, out], or
+  [L, E, in, out] when stacked) and dequantises into the parameter's dtype. The train step calls
+  it once per step, before the micro-batches, and differentiates with respect to its result, so
+  the update of the fp32 master weights is the straight-through one. `active` may be traced
+  (`lax.cond`); other leaves pass through unchanged.
+  """
+  flat = list(nnx.to_flat_state(params))
+  chosen = [i for i, (path, _) in enumerate(flat) if is_routed_expert_weight(tuple(path))]
+  if not chosen:
+    return params
+  values = [flat[i][1].get_value() for i in chosen]
+  quantise = lambda ws: [mx.quantize_dequantize(w, settings.weights, axis=-2,
+                                                rule=settings.scale_rule) for w in ws]
+  new = jax.lax.cond(active, quantise, list, values)
+  for i, value in zip(chosen, new):
+    path, var = flat[i]
+    flat[i] = (path, var.replace(value))
+  return nnx.from_flat_state(flat)
+
+
+def _path_name(path: tuple) -> str:
+  return "/".join(str(p) for p in path)
+
+
+def export_routed_experts(params: nnx.State, *, rule: str = "floor") -> dict[str, dict]:
+  """Every routed-expert weight as MXFP4 in the release layout (docs/maths.md §7.4).
+
+  Returns {path: {"weight_packed": uint8 [..., E, out, in/2], "weight_scale": uint8
+  [..., E, out, in/32]}} with path like "stack/layers/0/ffn/experts/gate" (stacked layers keep
+  their leading layer axis). `import_routed_experts` inverts it; the QAT forward is reproduced
+  bit for bit by the imported weights (tests/quant/test_qat.py)."""
+  out = {}
+  for path, var in nnx.to_flat_state(params):
+    if is_routed_expert_weight(tuple(path)):
+      packed, scales = mx.export_mxfp4(var.get_value(), in_axis=-2, rule=rule)
+      out[_path_name(tuple(path))] = {"weight_packed": packed, "weight_scale": scales}
+  return out
+
+
+def import_routed_experts(params: nnx.State, exported: dict[str, dict]) -> nnx.State:
+  """A copy of `params` whose routed-expert weights are the dequantised exported ones (in the
+  parameters' dtype); every routed-expert weight must be present in `exported`."""
+  flat = []
+  for path, var in nnx.to_flat_state(params):
+    if is_routed_expert_weight(tuple(path)):
+      entry = exported[_path_name(tuple(path))]
+      value = mx.import_mxfp4(entry["weight_packed"], entry["weight_scale"], in_axis=-2,
+                              dtype=var.get_value().dtype)
+      var = var.replace(value)
+    flat.append((path, var))
+  return nnx.from_flat_state(flat)

@@ -29,6 +29,16 @@ EXPERT_MLP = "expert_mlp"  # routed-expert hidden
 LATENT = "latent"          # MoE latent width (3584)
 LAYERS = "layers"          # stacked (scanned) layer axis
 SOURCES = "sources"        # AttnRes sources axis
+# Vision tower (MoonViT-V2, docs/maths.md §6) and its batch keys
+PATCHES = "patches"        # packed patches (and merged vision tokens) of one row
+PATCH_DIM = "patch_dim"    # 14·14·3 pixel values of one patch
+POS_GRID = "pos_grid"      # rows / columns of the learnable position table
+VIT_EMBED = "vit_embed"    # tower width
+VIT_HEADS = "vit_heads"    # tower attention heads
+VIT_MLP = "vit_mlp"        # tower MLP hidden and projector hidden
+VIT_MERGED = "vit_merged"  # 2×2-merged token width (4 × tower width), projector input
+GRIDS = "grids"            # grids (images, video chunks) of one row
+GRID_FIELDS = "grid_fields"  # (t, h, w) of one grid
 
 
 def names_of(var) -> tuple | None:

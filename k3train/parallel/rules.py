@@ -14,6 +14,8 @@ Recipes:
                 a full copy of the weights).
   full          long_context plus the routed experts' latent dim over `fsdp` and `sequence`
                 (the 2.8T model: expert weights are ~98% of the parameters).
+The vision tower (names `vit_*`, `patches`, …) is laid out the same way in every recipe: its
+parameters over `fsdp` (widths) and `tensor` (MLP hidden); its activations by batch row.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ _BASE: dict[str, tuple[str, ...]] = {
     # Replicated: small or contracted-per-device dims.
     ax.HEAD_DIM: (), ax.NORM: (), ax.Q_LORA: (), ax.KV_LORA: (), ax.KDA_GATE_RANK: (),
     ax.CONV: (), ax.LATENT: (), ax.LAYERS: (), ax.SOURCES: (),
+    # Vision tower: widths over fsdp and the MLP hidden over tensor, like the text layers. Its 12
+    # heads stay whole (12 does not divide tensor = 8). Patches stay with their row (batch
+    # shard); under sequence parallelism every sequence rank runs its rows' tower.
+    ax.VIT_EMBED: ("fsdp",), ax.VIT_MERGED: ("fsdp",), ax.VIT_MLP: ("tensor",),
+    ax.VIT_HEADS: (), ax.PATCHES: (), ax.PATCH_DIM: (), ax.POS_GRID: (), ax.GRIDS: (),
+    ax.GRID_FIELDS: (),
 }
 
 RECIPES: dict[str, dict[str, tuple[str, ...]]] = {

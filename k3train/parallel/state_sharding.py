@@ -19,6 +19,13 @@ from k3train.parallel.rules import Rules, spec_for
 from k3train.tree_paths import path_names
 
 BATCH_KEYS_2D = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+# Vision batch keys (data.vision.enabled) → logical names of their dims: a row's patches and
+# grids stay on the devices of the row's batch shard (never split over `sequence`).
+VISION_BATCH_KEYS = {
+    "vision_patches": (ax.BATCH, ax.PATCHES, ax.PATCH_DIM),      # [B, P, 588] uint8
+    "vision_grids": (ax.BATCH, ax.GRIDS, ax.GRID_FIELDS),         # [B, G, 3] int32
+    "vision_grid_ids": (ax.BATCH, ax.PATCHES),                    # [B, P] int32
+}
 
 
 def variable_spec(path, var: nnx.Variable, rules: Rules, mesh: Mesh) -> P:
@@ -74,3 +81,14 @@ def batch_sharding(mesh: Mesh, rules: Rules, batch_size: int, seq_len: int,
   """Sharding of every [B, T] batch array: batch over the data axes, sequence over `sequence`."""
   spec = spec_for((ax.BATCH, ax.SEQ), (batch_size, seq_len), rules, mesh, what=what)
   return NamedSharding(mesh, spec)
+
+
+def vision_batch_shardings(mesh: Mesh, rules: Rules, batch_size: int, max_patches: int,
+                           max_grids: int, patch_dim: int) -> dict[str, NamedSharding]:
+  """Shardings of the vision batch keys ([B, P, 588], [B, G, 3], [B, P]): by batch row only."""
+  shapes = {"vision_patches": (batch_size, max_patches, patch_dim),
+            "vision_grids": (batch_size, max_grids, 3),
+            "vision_grid_ids": (batch_size, max_patches)}
+  return {k: NamedSharding(mesh, spec_for(names, shapes[k], rules, mesh,
+                                          what=f"batch {k} {list(shapes[k])}"))
+          for k, names in VISION_BATCH_KEYS.items()}

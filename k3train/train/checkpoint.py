@@ -81,6 +81,10 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def use_config(self, cfg: ml_collections.ConfigDict) -> None:
+    """The config saved with later checkpoints and checked on restore (a curriculum stage's)."""
+    self.cfg = cfg
+
   def save(self, step: int, state, data_state: dict, *, force: bool = False) -> bool:
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(flatten_state(state)),

@@ -13,6 +13,11 @@ optimizer's settings.
 
 Shapes that the mesh does not divide fail here, before anything is compiled, with a message
 naming the array, the dimension and the mesh axes.
+
+With model.vision on, the batch also holds vision_patches [B, P, 588], vision_grids [B, G, 3]
+and vision_grid_ids [B, P], sharded by batch row only (a row's patches stay with its tokens'
+batch shard); `make_layout` also checks that model.vision.placeholder_id is the <|image_pad|>
+id of data.tokenizer.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from k3train import config as config_lib
+from k3train.data import tokenizer as tokenizer_lib
 from k3train.model.decoder import K3Model, abstract_model, build_model
+from k3train.model.vision import PATCH_VALUES
 from k3train.parallel import mesh as mesh_lib
 from k3train.parallel import rules as rules_lib
 from k3train.parallel import state_sharding
@@ -41,14 +49,19 @@ class Layout:
   rules: rules_lib.Rules
   batch: NamedSharding           # every [B, T] batch array
   options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # parallel-op choices
+  vision: Mapping[str, NamedSharding] = dataclasses.field(default_factory=dict)  # vision keys, if on
+
+  def sharding_for(self, key: str) -> NamedSharding:
+    """The sharding of batch array `key` (a [B, T] key or a vision key)."""
+    return self.vision.get(key, self.batch)
 
   @property
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())
 
   def global_batch(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-    """This process's rows of the global batch → global arrays sharded by `self.batch`."""
-    return {k: jax.make_array_from_process_local_data(self.batch, np.asarray(v))
+    """This process's rows of the global batch → global arrays (`sharding_for` each key)."""
+    return {k: jax.make_array_from_process_local_data(self.sharding_for(k), np.asarray(v))
             for k, v in host_batch.items()}
 
   def activate(self):
@@ -63,7 +76,7 @@ class Layout:
       with self.activate():
         return step_fn(state, batch)
 
-    batch_sh = {k: self.batch for k in state_sharding.BATCH_KEYS_2D}
+    batch_sh = {**{k: self.batch for k in state_sharding.BATCH_KEYS_2D}, **self.vision}
     return jax.jit(sharded_step, in_shardings=(shardings, batch_sh),
                    out_shardings=(shardings, self.replicated), donate_argnums=0)
 
@@ -80,7 +93,25 @@ def make_layout(cfg: ml_collections.ConfigDict, devices=None) -> Layout:
                                   cfg.data.seq_len,
                                   what="micro-batch [train.global_batch_size / train.microbatches, "
                                        "data.seq_len]")
-  return Layout(mesh, rules, batch, {"expert_exchange": cfg.parallel.expert_exchange})
+  vision = {}
+  if cfg.model.vision.enabled:
+    check_placeholder_id(cfg)
+    v = cfg.data.vision
+    vision = state_sharding.vision_batch_shardings(mesh, rules, t.global_batch_size,
+                                                   v.max_patches_per_row, v.max_grids_per_row,
+                                                   PATCH_VALUES)
+  return Layout(mesh, rules, batch, {"expert_exchange": cfg.parallel.expert_exchange}, vision)
+
+
+def check_placeholder_id(cfg: ml_collections.ConfigDict) -> None:
+  """model.vision.placeholder_id must be data.tokenizer's <|image_pad|> id (ConfigError if not)."""
+  tok = tokenizer_lib.load_tokenizer(cfg.data.tokenizer)
+  pad = tok.special_ids[tokenizer_lib.IMAGE_PAD]
+  if pad != cfg.model.vision.placeholder_id:
+    raise config_lib.ConfigError(
+        f"model.vision.placeholder_id: is {cfg.model.vision.placeholder_id} but data.tokenizer "
+        f"{cfg.data.tokenizer!r} has {tokenizer_lib.IMAGE_PAD} at id {pad}; set "
+        f"--config.model.vision.placeholder_id={pad}")
 
 
 def model_shardings(cfg: ml_collections.ConfigDict, layout: Layout) -> nnx.State:
@@ -109,5 +140,5 @@ def init_sharded_state(model: nnx.Module, optimizer: optax.GradientTransformatio
   return graphdef, state, shardings
 
 
-__all__ = ["Layout", "build_sharded_model", "init_sharded_state", "make_layout",
-           "model_shardings"]
+__all__ = ["Layout", "build_sharded_model", "check_placeholder_id", "init_sharded_state",
+           "make_layout", "model_shardings"]

@@ -5,8 +5,16 @@ Forward FLOPs per token =
   + Σ_MLA layers  H · (d_nope + d_rope + d_v) · T                 (causal QKᵀ and PV: 2·H·(dqk+dv)·T/2)
   + Σ_KDA layers  H · (6·K·V + 3·C·K + 2·C·V)                      (chunked WY form, chunk C:
         A_kk and A_qk 2CK, W and U C(K+V), W·S₀ + Q·S₀ + state update 6KV, A_qk·Δ CV)
+  + vision forward FLOPs per row / T                               (model.vision on, below)
 Training FLOPs per token = 3 × forward (backward = 2 × forward). Packing only lowers the true
 attention cost, so this is an upper bound for packed batches.
+
+Vision forward FLOPs per row, at the row's patch budget P = data.vision.max_patches_per_row (the
+tower runs on all P patch slots; padding slots are counted too):
+    2 · P · (588·D + L·(3·D·H·K + H·K·D + 2·D·F))                   patch embedding, q/k/v, o, MLP
+  + 4 · L · P · H · K · S                                           QKᵀ and PV, bidirectional, over
+        S = min(P, the largest grid: max(max_patches, frames_per_chunk · max_video_frame_patches))
+  + 2 · (P/4) · (4D·4D + 4D·d)                                      PatchMergerMLPV2
 """
 
 from __future__ import annotations
@@ -26,7 +34,24 @@ def forward_flops_per_token(cfg: ml_collections.ConfigDict, active_params: int, 
   mla = a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * seq_len
   c = min(k.chunk_size, seq_len)
   kda = k.num_heads * (6 * k.head_dim * k.head_dim + 3 * c * k.head_dim + 2 * c * k.head_dim)
-  return 2.0 * (active_params - embedding_params) + sched.num_mla * mla + sched.num_kda * kda
+  text = 2.0 * (active_params - embedding_params) + sched.num_mla * mla + sched.num_kda * kda
+  return text + vision_forward_flops_per_row(cfg) / seq_len
+
+
+def vision_forward_flops_per_row(cfg: ml_collections.ConfigDict) -> float:
+  """Forward FLOPs of the vision tower and projector for one batch row (module docstring); 0
+  without model.vision."""
+  w, v = cfg.model.vision, cfg.data.vision
+  if not w.enabled:
+    return 0.0
+  d, h, k, f, n_layers = w.d_model, w.num_heads, w.head_dim, w.mlp_hidden, w.num_layers
+  p = v.max_patches_per_row
+  span = min(p, max(v.max_patches, v.frames_per_chunk * v.max_video_frame_patches))
+  patch_dim = 3 * w.patch_size * w.patch_size
+  matmul = 2.0 * p * (patch_dim * d + n_layers * (3 * d * h * k + h * k * d + 2 * d * f))
+  attention = 4.0 * n_layers * p * h * k * span
+  projector = 2.0 * (p // 4) * (4 * d * 4 * d + 4 * d * cfg.model.d_model)
+  return matmul + attention + projector
 
 
 def train_flops_per_token(cfg, active_params: int, embedding_params: int, seq_len: int) -> float:

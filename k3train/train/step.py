@@ -26,6 +26,7 @@ from flax import nnx
 
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
+from k3train.parallel.state_sharding import VISION_BATCH_KEYS
 from k3train.model import moe
 from k3train.model.mla import MaxLogit
 from k3train.optim.qk_clip import qk_clip
@@ -65,12 +66,22 @@ def _collect(rest, variable_type):
   return jax.tree.leaves(rest.filter(variable_type))
 
 
+def loss_mask_of(batch: dict, placeholder_id: int | None) -> jax.Array:
+  """The batch's loss mask, never on a vision placeholder target (the pipeline's mask already
+  leaves them out; this keeps any other batch source honest)."""
+  if placeholder_id is None:
+    return batch["loss_mask"]
+  return batch["loss_mask"] * (batch["targets"] != placeholder_id).astype(batch["loss_mask"].dtype)
+
+
 def forward_loss(graphdef, params, rest, batch):
-  """Loss and the updated non-parameter state for one batch."""
+  """Loss and the updated non-parameter state for one batch (vision keys go to the tower)."""
   model = nnx.merge(graphdef, params, rest, copy=True)  # fresh Variables at this trace level
   token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
-  logits = model(batch["tokens"], batch["segment_ids"], token_mask)
-  loss, n_tokens = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+  vision = {k: batch[k] for k in VISION_BATCH_KEYS if k in batch} or None
+  logits = model(batch["tokens"], batch["segment_ids"], token_mask, vision)
+  loss, n_tokens = cross_entropy(logits, batch["targets"],
+                                 loss_mask_of(batch, getattr(model, "placeholder_id", None)))
   _, _, new_rest = nnx.split(model, nnx.Param, ...)
   return loss, (new_rest, n_tokens)
 
@@ -110,12 +121,14 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1):
   if size % microbatches:
     raise ValueError(f"batch of {size} rows does not split into train.microbatches={microbatches}")
   micro = _micro_batches(batch, microbatches)
-  tokens_n = jnp.sum(micro["loss_mask"].astype(jnp.float32), axis=(1, 2))     # [N]
+  placeholder_id = getattr(nnx.merge(graphdef, params, rest, copy=True), "placeholder_id", None)
+  tokens_n = jnp.sum(loss_mask_of(micro, placeholder_id).astype(jnp.float32), axis=(1, 2))  # [N]
   weight_n = tokens_n / jnp.maximum(jnp.sum(tokens_n), 1.0)
 
   def body(acc, xs):
     mb, weight = xs
-    mb = {k: constrain(v, ax.BATCH, ax.SEQ) if v.ndim == 2 else v for k, v in mb.items()}
+    mb = {k: constrain(v, *VISION_BATCH_KEYS[k]) if k in VISION_BATCH_KEYS else
+          constrain(v, ax.BATCH, ax.SEQ) if v.ndim == 2 else v for k, v in mb.items()}
     (loss, (new_rest, _)), grads = grad_fn(graphdef, params, rest, mb)
     grads_acc, loss_acc = acc
     grads_acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), grads_acc, grads)
@@ -138,8 +151,14 @@ def spike_guard(loss, loss_ema, *, factor: float, decay: float):
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_spike_factor: float = 0.0,
                     loss_spike_ema: float = 0.99, qk_clip_tau: float | None = None,
-                    mla_nope_dim: int | None = None, microbatches: int = 1):
+                    mla_nope_dim: int | None = None, microbatches: int = 1, quant=None):
   """train_step(state, batch) -> (state, metrics); jit it with explicit shardings at the call site.
+
+  quant: the `model.quant` config section (None or enabled=False: no QAT). From step
+  quant.start_step on (a traced test of state.step, so resume is exact) the routed-expert weights
+  are fake-quantised once per step, before the micro-batches, and the expert GEMMs quantise
+  their activations (k3train/model/moe.py, docs/maths.md §7.5); the update of the fp32 master
+  weights uses the straight-through gradients.
 
   With microbatches > 1 the gradients are accumulated over that many micro-batches of the batch
   (see `loss_and_grads`) before the one optimizer update.
@@ -148,9 +167,16 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
   `qk_clip_tau` (None: off), the Quantile-Balancing router-bias update, and the loss-spike guard.
   """
 
+  qat = moe.expert_quant_from_config(quant) if quant is not None else None
+
   def train_step(state: TrainState, batch: dict):
-    (loss, (rest, n_tokens)), grads = loss_and_grads(graphdef, state.params, state.rest, batch,
-                                                     microbatches)
+    params_fwd, qat_on = state.params, None
+    if qat is not None:   # MX QAT: quantise the expert weights once per step
+      qat_on = state.step >= qat.start_step
+      params_fwd = moe.fake_quant_expert_weights(state.params, qat, qat_on)
+    with moe.expert_quantization(qat, qat_on, weights_quantized=True):
+      (loss, (rest, n_tokens)), grads = loss_and_grads(graphdef, params_fwd, state.rest, batch,
+                                                       microbatches)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     clip_stats = {}
@@ -163,6 +189,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
       params, opt_state, rest = keep(params, state.params), keep(opt_state, state.opt_state), keep(rest, state.rest)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": n_tokens,
                "skipped_update": skip.astype(jnp.float32), **clip_stats}
+    if qat is not None:
+      metrics["qat_active"] = qat_on.astype(jnp.float32)
     loads = _collect(rest, moe.ExpertLoad)
     if loads:
       load_le = jnp.concatenate([l.reshape(-1, l.shape[-1]) for l in loads])  # [MoE layers, E]

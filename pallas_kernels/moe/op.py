@@ -8,6 +8,11 @@ gmm backends (BACKENDS): "reference" (dense, readable: reference.py), "ragged_do
 (`jax.lax.ragged_dot`, portable: xla.py), "pallas_gpu" (Mosaic GPU kernels: pallas_gpu.py),
 "pallas_tpu" (Mosaic TPU kernels: pallas_tpu.py) — both Pallas backends through the custom_vjp of
 vjp.py — and "auto" (see `resolve_backend`).
+
+`gmm_mx` is the same grouped matmul on MX-quantised operands (MXFP8 activations, MXFP4 weights
+in the release byte layout; mx_operands.py states the layout), with straight-through gradients
+(vjp.py). Its backends (MX_BACKENDS) dequantise and then run the gmm backend of the same name;
+see `gmm_mx`.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import pallas_gpu, pallas_tpu
-from pallas_kernels.moe.reference import gmm_reference
+from pallas_kernels.moe import mx_operands, pallas_gpu, pallas_tpu
+from pallas_kernels.moe.reference import gmm_mx_reference, gmm_reference
+from pallas_kernels.moe.vjp import straight_through_gmm_mx
 from pallas_kernels.moe.xla import gmm_ragged_dot
 
 
@@ -81,6 +87,64 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   impl = _GMM_IMPLS[resolve_backend(backend, lhs.shape, rhs.shape, dtype)]
   return impl(lhs, rhs, group_sizes)
+
+
+def _xla_dequant_forward(gmm_impl):
+  """An MX forward that dequantises in XLA, then runs the plain gmm `gmm_impl`."""
+  def forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes, dtype):
+    lhs = mx_operands.dequantize_lhs(lhs_codes, lhs_scales, dtype)
+    rhs = mx_operands.dequantize_rhs(rhs_packed, rhs_scales, dtype)
+    return gmm_impl(lhs, rhs, group_sizes)
+  return forward
+
+
+def _gmm_mx_reference_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes, dtype):
+  return gmm_mx_reference(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes, dtype)
+
+
+def _gmm_mx_pallas_gpu_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes, dtype):
+  return pallas_gpu.gmm_mx_pallas_gpu_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales,
+                                              group_sizes, dtype,
+                                              interpret=jax.default_backend() != "gpu")
+
+
+_GMM_MX_IMPLS = {
+    "reference": straight_through_gmm_mx(_gmm_mx_reference_forward, gmm_reference),
+    "ragged_dot": straight_through_gmm_mx(_xla_dequant_forward(gmm_ragged_dot), gmm_ragged_dot),
+    "pallas_gpu": straight_through_gmm_mx(_gmm_mx_pallas_gpu_forward, _gmm_pallas_gpu),
+    "pallas_tpu": straight_through_gmm_mx(_xla_dequant_forward(_gmm_pallas_tpu), _gmm_pallas_tpu),
+}
+MX_BACKENDS = ("auto",) + tuple(_GMM_MX_IMPLS)
+
+
+def gmm_mx(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, lhs_codes: jax.Array,
+           lhs_scales: jax.Array, rhs_packed: jax.Array, rhs_scales: jax.Array,
+           backend: str = "auto") -> jax.Array:
+  """Grouped matmul of MX operands: gmm(Q(lhs), Q(rhs)) read from their encodings.
+
+  lhs [M, K] and rhs [G, K, N] are the unquantised operands (any float dtype; the result has
+  their promoted dtype, like `gmm`); the encodings must have been made from them:
+  lhs_codes float8_e4m3fn [M, K] and lhs_scales uint8 [M, K/32] (MXFP8, blocks along K);
+  rhs_packed uint8 [G, N, K/2] and rhs_scales uint8 [G, N, K/32] (MXFP4 in the release layout,
+  each group's [out, in] weight, blocks along K). See mx_operands.py.
+
+  Forward: the grouped matmul (ragged_dot semantics, fp32 accumulation) of the dequantised
+  operands, which are exactly representable in bf16 (except values below 2^-126). Backward:
+  straight-through, on the dequantised operands in the promoted dtype (vjp.py); the encodings
+  get no gradient. Backends: "reference" (dense, fp32 dequantisation), "ragged_dot" and
+  "pallas_tpu" (dequantise in XLA, then that gmm), "pallas_gpu" (pallas_gpu.py:
+  `gmm_mx_pallas_gpu_forward`), "auto" (as for `gmm`, by shape and promoted dtype).
+  """
+  if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+    raise ValueError(f"gmm_mx expects lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
+                     f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}")
+  if rhs.shape[0] != group_sizes.shape[0]:
+    raise ValueError(f"gmm_mx: rhs {rhs.shape} and group_sizes {group_sizes.shape} disagree on G")
+  mx_operands.check_operands(lhs.shape, rhs.shape, lhs_codes, lhs_scales, rhs_packed, rhs_scales)
+  dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+  name = resolve_backend(backend, lhs.shape, rhs.shape, dtype)
+  return _GMM_MX_IMPLS[name](lhs, rhs, group_sizes, lhs_codes, lhs_scales, rhs_packed,
+                             rhs_scales)
 
 
 def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe import mx_operands
 from pallas_kernels.moe.schedule import group_bounds, row_schedule
 from pallas_kernels.moe.vjp import differentiable_gmm
 
@@ -402,3 +403,192 @@ def gmm_pallas_gpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Arr
                    config: MgpuConfig = DEFAULT_CONFIG, interpret: bool = False) -> jax.Array:
   """ragged_dot(lhs, rhs, group_sizes) on the Mosaic GPU kernels, differentiable in lhs and rhs."""
   return _gmm(lhs_mk, rhs_gkn, group_sizes_g, config=config, interpret=interpret)
+
+
+# ------------------------------------------------------------------------------------------ MX
+
+MX_BLOCK = mx_operands.BLOCK
+
+
+def _repack_halves(rhs_packed_gnh: jax.Array, tile_k: int) -> jax.Array:
+  """Release MXFP4 bytes (element 2j low, 2j+1 high) → the kernel's order: within every tile_k
+  slice of K, byte j holds element j (low nibble) and element j + tile_k/2 (high nibble), so the
+  low and high nibbles of a tile decode to two contiguous K-halves (no interleave in registers)."""
+  nib = mx_operands.unpack_nibbles(rhs_packed_gnh)                       # [G, N, K]
+  g, n, k = nib.shape
+  halves = nib.reshape(g, n, k // tile_k, 2, tile_k // 2)
+  return (halves[..., 0, :] | (halves[..., 1, :] << 4)).reshape(g, n, k // 2)
+
+
+def _decode_e2m1_f32(nib: jax.Array) -> jax.Array:
+  """Nibbles (uint8, low 4 bits) → fp32 E2M1 values with elementwise selects only (kernel body
+  arithmetic; no table, no variable shifts): magnitude index 2e + m → m/2 (e = 0), else
+  2^(e−1)·(1 + m/2); bit 3 is the sign."""
+  e = ((nib >> 1) & 3).astype(jnp.float32)
+  m = (nib & 1).astype(jnp.float32)
+  power = jnp.where(e == 3.0, 4.0, jnp.where(e == 2.0, 2.0, 1.0))
+  mag = jnp.where(e == 0.0, 0.5 * m, power * (1.0 + 0.5 * m))
+  return jnp.where((nib & 8) != 0, -mag, mag)
+
+
+def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: jax.Array,
+                group_sizes_g: jax.Array, *, config: MgpuConfig = MgpuConfig(),
+                interpret: bool = False) -> jax.Array:
+  """out [M, N] (lhs dtype) = ragged_dot(lhs, deq(rhs)), rhs MXFP4 dequantised in the kernel.
+
+  rhs: packed uint8 [G, N, K/2] and E8M0 bytes [G, N, K/32] in the release layout
+  (mx_operands.py). The launcher reorders the nibbles of every K-slice of tile_k = 64 (one byte
+  holds elements j and j + 32: `_repack_halves`) and widens the scale bytes to fp32 powers of two
+  laid out [G, K/32, N] (a 1/32-size array); both are XLA ops on the packed data. Per pipeline
+  step a consumer warpgroup decodes its [tile_n, 32] packed bytes into two bf16 halves of the
+  weight tile (low nibbles: K-block 2kk, high nibbles: block 2kk + 1, each times its block's
+  scale row), writes them to shared memory and issues one wgmma per half against the matching
+  half of the lhs tile (loaded as two [tile_m, 32] TMA tiles). Everything else (row schedule,
+  ragged TMA-store epilogue, tail zeros) is gmm_mgpu's.
+  """
+  cfg = config
+  m, k = lhs_mk.shape
+  g, n, k_half = rhs_packed_gnh.shape
+  cta_n = _NUM_COMPUTE_WGS * cfg.tile_n
+  half = cfg.tile_k // 2
+  dtype = lhs_mk.dtype
+  _check(cfg.tile_k == 2 * MX_BLOCK, f"gmm_mx_mgpu: tile_k must be {2 * MX_BLOCK} (two MX blocks "
+         f"per step), got {cfg.tile_k}")
+  _check(k_half * 2 == k and rhs_scales_gnb.shape == (g, n, k // MX_BLOCK),
+         f"gmm_mx_mgpu: lhs {lhs_mk.shape}, rhs_packed {rhs_packed_gnh.shape} and rhs_scales "
+         f"{rhs_scales_gnb.shape} disagree")
+  _check(k % cfg.tile_k == 0, f"gmm_mx_mgpu: K={k} must be a multiple of tile_k={cfg.tile_k}")
+  _check(n % cta_n == 0, f"gmm_mx_mgpu: N={n} must be a multiple of 2*tile_n={cta_n}")
+  _check(cfg.tile_n % cfg.epi_n == 0, "gmm_mx_mgpu: tile_n must be a multiple of epi_n")
+  _check(cfg.epi_n * jnp.dtype(dtype).itemsize % 128 == 0,
+         "gmm_mx_mgpu: epi_n rows must be 128-byte multiples (TMA stores start at any row)")
+  packed = _repack_halves(rhs_packed_gnh, cfg.tile_k)
+  scales_gbn = jnp.swapaxes(mx_operands.scale_values(rhs_scales_gnb, jnp.float32(1.0)), 1, 2)
+  pad = max(cfg.tile_m, -(-m // 8) * 8) - m
+  if pad:
+    lhs_mk = jnp.pad(lhs_mk, ((0, pad), (0, 0)))
+  m_p = m + pad
+  sched = row_schedule(group_sizes_g, m_p, cfg.tile_m, align=cfg.align)
+  num_items = sched.group_id.shape[0]
+  n_iters, k_iters = n // cta_n, k // cfg.tile_k
+  a_tf = _swizzled(half, dtype)
+  p_tf = _swizzled(half, jnp.uint8)
+  w_tf = _swizzled(half, dtype)
+  out_tf = _swizzled(cfg.epi_n, dtype, tiling_rows=1)
+  tile_m, tile_n, epi_n = cfg.tile_m, cfg.tile_n, cfg.epi_n
+
+  def pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tile_m, half), lambda kk: (0, 2 * kk), transforms=a_tf,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((tile_m, half), lambda kk: (0, 2 * kk + 1), transforms=a_tf,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((cta_n, half), lambda kk: (0, kk), transforms=p_tf,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((2, cta_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)],
+        wg_axis="wg", num_compute_wgs=_NUM_COMPUTE_WGS, max_concurrent_steps=cfg.stages,
+        compute_context=context)
+
+  def kernel(gid_ref, tstart_ref, vstart_ref, vsize_ref, lhs_ref, packed_ref, scales_ref,
+             out_ref):
+    ignore = lambda *_, **__: None
+    lhs_view0 = lhs_ref.at[pl.ds(0, tile_m), :]
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(
+            lhs_view0, lhs_view0, packed_ref.at[0, pl.ds(0, cta_n), :],
+            scales_ref.at[0, :, pl.ds(0, cta_n)]),
+        out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_m, epi_n), dtype, transforms=out_tf),
+        w_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_n, half), dtype, transforms=w_tf),
+        collective_axes="wg")
+    def scope(allocs, out_smem, w_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((num_items * n_iters,), collective_axes="sm")
+      def item_loop(info):
+        (lin,) = info.index
+        mi, ni = plgpu.planar_snake(lin, (num_items, n_iters), cfg.grid_minor, cfg.grid_width)
+        gid = gid_ref[mi]
+        tstart = pl.multiple_of(tstart_ref[mi], min(cfg.align, 8))
+        vstart = vstart_ref[mi]
+        vsize = vsize_ref[mi]
+        is_tail = gid >= g
+        col0 = ni * cta_n + wg * tile_n
+
+        def store(acc_mn):  # acc_mn: [tile_m, tile_n] in dtype, or None for zeros
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for c in range(tile_n // epi_n):
+            slot = c % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            if acc_mn is None:
+              out_smem[wg, slot] = jnp.zeros((tile_m, epi_n), dtype)
+            else:
+              out_smem[wg, slot] = acc_mn[:, c * epi_n:(c + 1) * epi_n]
+            plgpu.commit_smem()
+            _ragged_store(out_smem.at[wg, slot], out_ref, tstart, vstart, vsize, tile_m,
+                          pl.ds(col0 + c * epi_n, epi_n))
+
+        def context(run_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+          def _(acc_ref):
+            run_pipeline(acc_ref)
+            store(acc_ref[...].astype(dtype))
+
+        def mma(_, a_lo, a_hi, p_smem, s_smem, acc_ref):
+          own = pl.ds(wg * tile_n, tile_n)
+          p_nh = p_smem[own, :]                                    # uint8 [tile_n, 32]
+          for h, nib in enumerate((p_nh & 15, p_nh >> 4)):         # K-block 2kk, then 2kk + 1
+            if interpret:   # the CPU interpreter has no layout-annotated loads (same values)
+              s_n = s_smem[h, own]
+            else:
+              s_n = plgpu.load(s_smem.at[h, own], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            w_smem[wg, h] = (_decode_e2m1_f32(nib) * s_n[:, None]).astype(dtype)
+          plgpu.commit_smem()
+          for h, a_smem in enumerate((a_lo, a_hi)):
+            plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(w_smem.at[wg, h], (1, 0)))
+          plgpu.wgmma_wait(0)       # w_smem is rewritten by the next step
+          return acc_ref
+
+        @pl.when((vsize > 0) & jnp.logical_not(is_tail))
+        def _():
+          gid_c = jnp.minimum(gid, g - 1)
+          lhs_view = lhs_ref.at[pl.ds(tstart, tile_m), :]
+          pipeline(mma, context)(lhs_view, lhs_view,
+                                 packed_ref.at[gid_c, pl.ds(ni * cta_n, cta_n), :],
+                                 scales_ref.at[gid_c, :, pl.ds(ni * cta_n, cta_n)],
+                                 allocations=allocs)
+
+        @pl.when((vsize > 0) & is_tail & (wg < _NUM_COMPUTE_WGS))
+        def _():
+          store(None)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m_p, n), dtype),
+      grid=(_num_sms(interpret),), grid_names=("sm",), num_threads=_NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=_interpret_params(interpret),
+  )(sched.group_id, sched.tile_start, sched.valid_start, sched.valid_size, lhs_mk, packed,
+    scales_gbn)
+  return out[:m] if pad else out
+
+
+def supports_mx(lhs_shape, rhs_shape, dtype, config: MgpuConfig = DEFAULT_CONFIG) -> bool:
+  """Whether `gmm_mx_mgpu` tiles these shapes (forward) and the bf16 kernels the backward."""
+  return config.tile_k == 2 * MX_BLOCK and supports(lhs_shape, rhs_shape, dtype, config)
+
+
+def gmm_mx_pallas_gpu_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes_g,
+                              dtype, *, config: MgpuConfig = DEFAULT_CONFIG,
+                              interpret: bool = False) -> jax.Array:
+  """Forward of `gmm_mx` on Mosaic GPU (operand layout: mx_operands.py): the MXFP8 activations
+  are dequantised in XLA (an elementwise pass that fuses with their quantisation) and the MXFP4
+  weights in the kernel (`gmm_mx_mgpu`)."""
+  lhs = mx_operands.dequantize_lhs(lhs_codes, lhs_scales, dtype)
+  return gmm_mx_mgpu(lhs, rhs_packed, rhs_scales, group_sizes_g, config=config,
+                     interpret=interpret)

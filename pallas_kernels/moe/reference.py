@@ -35,3 +35,25 @@ def gmm_reference(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Arra
   # `where` rather than a multiply keeps a non-finite product of another group from leaking in.
   out_mn = jnp.sum(jnp.where(member_gm1, prod_gmn, 0.0), axis=0)
   return out_mn.astype(dtype)
+
+
+# E2M1 magnitudes by 3-bit index; bit 3 of a nibble is the sign (docs/maths.md §7.4).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def gmm_mx_reference(lhs_codes: jax.Array, lhs_scales: jax.Array, rhs_packed: jax.Array,
+                     rhs_scales: jax.Array, group_sizes_g: jax.Array, dtype) -> jax.Array:
+  """gmm of MX operands (layout: mx_operands.py), decoded plainly: a table for E2M1, 2^(s − 127)
+  for the E8M0 bytes (NaN for 255), both in fp32 (fp64 with x64), then `gmm_reference`.
+  (`ldexp`, not `exp2`: XLA's exp2 is not exact at integers.)"""
+  wide = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+  def scale(bytes_):
+    s = bytes_.astype(jnp.int32)
+    return jnp.where(s == 255, jnp.nan, jnp.ldexp(jnp.ones(s.shape, wide), s - 127))
+  k = lhs_codes.shape[1]
+  lhs_mk = lhs_codes.astype(wide) * jnp.repeat(scale(lhs_scales), 32, axis=1)
+  nib = jnp.stack([rhs_packed & 0xF, rhs_packed >> 4], axis=-1).reshape(*rhs_packed.shape[:2], k)
+  mag = jnp.asarray(E2M1_MAGNITUDES, wide)[(nib & 7).astype(jnp.int32)]
+  rhs_gnk = jnp.where((nib & 8) != 0, -mag, mag) * jnp.repeat(scale(rhs_scales), 32, axis=2)
+  out = gmm_reference(lhs_mk, jnp.swapaxes(rhs_gnk, 1, 2), group_sizes_g)
+  return out.astype(dtype)

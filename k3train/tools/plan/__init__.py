@@ -13,6 +13,7 @@ The pieces:
   activations.py   the activation estimate and its assumptions (analytic)
   budget.py        gradients, gathered weights, optimizer transient; the peak per phase
   search.py        the meshes of a device count that fit
+  stages.py        one plan per curriculum stage (train.use_stages), and the run's start check
   __main__.py      the command line
 
 From Python:
@@ -30,6 +31,7 @@ from k3train.tools.plan.activations import (Activations, Cost, Dims, activation_
                                             expert_rows, layer_cost, layer_costs)
 from k3train.tools.plan.budget import GiB, Plan, format_plan, make_plan, plan_json
 from k3train.tools.plan.search import search
+from k3train.tools.plan.stages import (format_stage_line, preflight, stage_json, stage_plans)
 from k3train.tools.plan.state import (StateBytes, StateLayout, abstract_mesh, state_bytes,
                                       state_layout)
 
@@ -50,5 +52,6 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 __all__ = ["Activations", "Cost", "Dims", "GiB", "Plan", "StateBytes", "StateLayout",
            "abstract_mesh", "activation_dims", "estimate", "expert_rows", "format_plan",
-           "layer_cost", "layer_costs", "make_plan", "parse_mesh", "plan_json", "search",
-           "state_bytes", "state_layout"]
+           "format_stage_line", "layer_cost", "layer_costs", "make_plan", "parse_mesh",
+           "plan_json", "preflight", "search", "stage_json", "stage_plans", "state_bytes",
+           "state_layout"]

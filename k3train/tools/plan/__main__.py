@@ -10,6 +10,12 @@
 (parallel.rules, data.seq_len, model.remat_policy, train.microbatches, parallel.*), which
 `--config.x=y` overrides like any other command. Exit code: 0 the plan fits (or `--search`
 found meshes), 1 it does not (none found), 2 a usage, config or mesh error.
+
+A config with a curriculum (train.use_stages) is planned stage by stage, one line each (with
+`--json` one JSON line each, with `--verbose` each stage's table), unless --mesh, --seq_len,
+--batch_per_device, --microbatches or --search ask for one plan of the config as given:
+
+  python -m k3train.tools.plan --config=configs/k3_full.py --devices=4096 --device_memory=139
 """
 
 from __future__ import annotations
@@ -85,6 +91,10 @@ def main(argv=None) -> int:
   common = dict(rules_name=rules_name, seq_len=seq_len, remat=remat, attention=f.attention,
                 device_memory_gib=f.device_memory, margin=f.margin,
                 expert_capacity=f.expert_capacity)
+  single = any(f[name].present for name in ("mesh", "seq_len", "batch_per_device", "microbatches",
+                                            "search"))
+  if cfg.train.use_stages and not single:
+    return _plan_stages(cfg, f, config_name)
   try:
     state = builder.abstract_state(cfg)
     if f.search:
@@ -106,6 +116,32 @@ def main(argv=None) -> int:
     return cli.USAGE_ERROR
   print(json.dumps(plan.plan_json(p)) if f.json else plan.format_plan(p, config_name, f.verbose))
   return 0 if p.fits else DOES_NOT_FIT
+
+
+def _plan_stages(cfg, f, config_name: str) -> int:
+  """One plan per curriculum stage; exit 0 when every stage fits, 1 otherwise, 2 on an error."""
+  try:
+    rows = plan.stage_plans(cfg, f.devices, device_memory_gib=f.device_memory, margin=f.margin,
+                            attention=f.attention, expert_capacity=f.expert_capacity)
+  except (mesh_lib.MeshError, config_lib.ConfigError, ValueError) as e:
+    cli.error(PROG, str(e))
+    return cli.USAGE_ERROR
+  if not f.json:
+    print(f"plan {config_name}: {len(rows)} curriculum stages on {f.devices} devices of "
+          f"{f.device_memory:g} GiB ({f.margin:.0%} margin), attention={f.attention}")
+  for stage, p in rows:
+    if f.json:
+      print(json.dumps(plan.stage_json(stage, p)))
+    else:
+      print(plan.format_stage_line(stage, p, len(rows)))
+      if f.verbose and not isinstance(p, str):
+        print(plan.format_plan(p, f"{config_name} stage {stage.name!r}", True))
+  errors = [p for _, p in rows if isinstance(p, str)]
+  if errors:
+    for e in errors:
+      cli.error(PROG, e)
+    return cli.USAGE_ERROR
+  return 0 if all(p.fits for _, p in rows) else DOES_NOT_FIT
 
 
 if __name__ == "__main__":

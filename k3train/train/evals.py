@@ -1,0 +1,136 @@
+"""Evals at the training length: held-out loss by position and synthetic retrieval accuracy.
+
+    evaluator = evals.Evaluator(stage_cfg, run)     # one compiled forward for the stage's [B, T]
+    metrics = evaluator(state)                      # {"eval/loss": ..., "eval/retrieval/passkey": ...}
+
+Every eval reads the same rows, so evals of one stage compare across steps:
+
+  held-out loss   `eval.batches` batches of `eval.sources` (its own stream, seeded by eval.seed),
+                  packed at the stage's seq_len T like training data. The mean next-token loss
+                  ("eval/loss") and the loss by position inside the document, in buckets with
+                  edges 0, T/2^(n-1), …, T/4, T/2, T (n = eval.position_buckets):
+                  "eval/loss/pos_<lo>_<hi>" and their token counts "eval/tokens/pos_<lo>_<hi>".
+                  With a model that uses its context, the loss falls from bucket to bucket.
+  retrieval       for each task of `eval.retrieval`, train.global_batch_size generated documents
+                  of exactly T tokens (k3train/data/retrieval.py, seeded by eval.seed, so never a
+                  training document); a row is correct when the argmax prediction of every answer
+                  token is right (teacher forcing): "eval/retrieval/<task>" = share of correct
+                  rows, and their mean "eval/retrieval/mean".
+
+The forward is the training forward (text only: vision inputs are not fed) on the stage's mesh;
+nothing of the state changes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from k3train.data import pipeline
+from k3train.data import retrieval
+from k3train.data import tokenizer as tokenizer_lib
+
+EVAL_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask", "answer_mask")
+
+
+def position_edges(seq_len: int, buckets: int) -> list[int]:
+  """Bucket edges 0, T/2^(n-1), …, T/2, T (duplicates dropped for short T)."""
+  edges = [0] + [max(1, seq_len >> (buckets - 1 - k)) for k in range(buckets)]
+  return sorted(set(edges))
+
+
+def make_eval_step(run, edges):
+  """Jitted (params, rest, batch) → per-bucket loss sums and counts, per-row answer correctness."""
+  layout, graphdef = run.layout, run.graphdef
+  inner = jnp.asarray(edges[1:-1], jnp.int32)
+  buckets = len(edges) - 1
+
+  def step(params, rest, batch):
+    with layout.activate():
+      model = nnx.merge(graphdef, params, rest, copy=True)
+      token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
+      logits = model(batch["tokens"], batch["segment_ids"], token_mask).astype(jnp.float32)
+    nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
+        logits, batch["targets"][..., None], axis=-1)[..., 0]                     # [B, T]
+    bucket = jnp.searchsorted(inner, batch["positions"], side="right")            # [B, T]
+    weight = jax.nn.one_hot(bucket, buckets) * batch["loss_mask"][..., None]     # [B, T, n]
+    wrong = (jnp.argmax(logits, axis=-1) != batch["targets"]).astype(jnp.float32)
+    answer = batch["answer_mask"]
+    return {"loss_sum": jnp.sum(weight * nll[..., None], axis=(0, 1)),
+            "count": jnp.sum(weight, axis=(0, 1)),
+            "correct": (jnp.sum(wrong * answer, axis=1) == 0) & (jnp.sum(answer, axis=1) > 0),
+            "has_answer": jnp.sum(answer, axis=1) > 0}
+
+  batch_sh = {k: layout.batch for k in EVAL_KEYS}
+  return jax.jit(step, in_shardings=(run.shardings.params, run.shardings.rest, batch_sh),
+                 out_shardings=layout.replicated)
+
+
+class Evaluator:
+  """Evals of one stage (its config and its built run: mesh, shardings, graphdef)."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, run):
+    self.cfg, self.run = cfg, run
+    ev = cfg.eval
+    self.seq_len = cfg.data.seq_len
+    self.process_count, self.process_index = jax.process_count(), jax.process_index()
+    self.rows = cfg.train.global_batch_size // self.process_count
+    self.edges = position_edges(self.seq_len, ev.position_buckets)
+    self.step = make_eval_step(run, self.edges)
+    self.tok = tokenizer_lib.load_tokenizer(cfg.data.tokenizer)
+
+  def held_out_batches(self):
+    """The eval's held-out batches (this host's rows), the same at every eval of the stage."""
+    ev = self.cfg.eval
+    if not ev.batches or not len(ev.sources):
+      return []
+    data_cfg = {"sources": tuple(ev.sources), "weights": (1.0,) * len(ev.sources),
+                "tokenizer": self.cfg.data.tokenizer, "seq_len": self.seq_len,
+                "shuffle_seed": ev.seed, "num_workers": 0, "num_threads": 1}
+    it = pipeline.make_iterator(data_cfg, batch_size=self.rows, seed=ev.seed,
+                                process_index=self.process_index, process_count=self.process_count)
+    try:
+      return [dict(next(it), answer_mask=np.zeros((self.rows, self.seq_len), np.float32))
+              for _ in range(ev.batches)]
+    finally:
+      it.close()
+
+  def retrieval_batch(self, task: str) -> dict[str, np.ndarray]:
+    return retrieval.eval_rows(self.tok, task, seed=self.cfg.eval.seed, seq_len=self.seq_len,
+                               first=self.process_index * self.rows, rows=self.rows)
+
+  def _run(self, state, host_batch):
+    batch = self.run.layout.global_batch({k: host_batch[k] for k in EVAL_KEYS})
+    return jax.device_get(self.step(state.params, state.rest, batch))
+
+  def __call__(self, state) -> dict[str, float]:
+    out = {}
+    loss_sum = count = 0.0
+    for batch in self.held_out_batches():
+      r = self._run(state, batch)
+      loss_sum, count = loss_sum + r["loss_sum"], count + r["count"]
+    if np.sum(count) > 0:
+      out["eval/loss"] = float(np.sum(loss_sum) / np.sum(count))
+      for k, (lo, hi) in enumerate(zip(self.edges[:-1], self.edges[1:])):
+        out[f"eval/tokens/pos_{lo}_{hi}"] = float(count[k])
+        if count[k] > 0:
+          out[f"eval/loss/pos_{lo}_{hi}"] = float(loss_sum[k] / count[k])
+    scores = []
+    for task in self.cfg.eval.retrieval:
+      try:
+        batch = self.retrieval_batch(task)
+      except ValueError:          # the stage's length is shorter than the task's fixed parts
+        continue
+      r = self._run(state, batch)
+      acc = float(np.sum(r["correct"]) / max(np.sum(r["has_answer"]), 1))
+      out[f"eval/retrieval/{task}"] = acc
+      scores.append(acc)
+    if scores:
+      out["eval/retrieval/mean"] = float(np.mean(scores))
+    return out
+
+
+__all__ = ["EVAL_KEYS", "Evaluator", "make_eval_step", "position_edges"]

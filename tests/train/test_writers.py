@@ -1,0 +1,206 @@
+"""Metric writers: TensorBoard scalars equal the JSONL rows (read back from the event files' own
+records), a resumed run writes every step once without losing rows, vectors round-trip, only
+process 0 writes, W&B gets the same rows, and progress lines are never silent."""
+
+import glob
+import json
+import math
+import os
+import struct
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from k3train.train import writers
+
+ROWS = 30
+
+
+def tensorboard_events(logdir):
+  """Every event in the directory's event files, parsed from the TFRecord framing
+  (u64 length, u32 crc, payload, u32 crc) with TensorBoard's Event protobuf."""
+  from tensorboardX.proto import event_pb2
+  events = []
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos < len(data):
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      payload = data[pos + 12:pos + 12 + length]
+      assert len(payload) == length, f"{path}: truncated record at byte {pos}"
+      events.append(event_pb2.Event.FromString(payload))
+      pos += 12 + length + 4
+  return events
+
+
+def tb_scalars(logdir):
+  """{(tag, step): (value, wall time)} of every scalar; a tag written twice at one step fails."""
+  out = {}
+  for e in tensorboard_events(logdir):
+    for v in e.summary.value:
+      if v.WhichOneof("value") == "simple_value":
+        key = (v.tag, e.step)
+        assert key not in out, f"scalar {key} written twice"
+        out[key] = (v.simple_value, e.wall_time)
+  return out
+
+
+def jsonl_scalars(workdir):
+  out = {}
+  for stream in ("train", "eval"):
+    for row in writers.read_rows(os.path.join(workdir, writers.STREAM_FILES[stream])):
+      for k, v in row.items():
+        if k not in ("step", "time") and not isinstance(v, str) and math.isfinite(v):
+          out[(k, row["step"])] = (v, row["time"])
+  return out
+
+
+def fake_run_rows(step, scale=1.0):
+  rng = np.random.default_rng(step)
+  return {"stage": "pretrain_4k", "loss": scale * (4.0 / step + rng.random()),
+          "lr": 3e-3 * min(1.0, step / 10),
+          "grad_norm": float(rng.lognormal()), "grad_norm/kda": float(rng.random()),
+          "tokens_per_s": math.nan if step == 1 else 1000.0 + step, "mfu": 1e-3 * step,
+          "data/errors/python_stdlib/bad_record": float(step // 7)}
+
+
+def test_tensorboard_scalars_equal_jsonl_rows(tmp_path):
+  w = writers.open_writers(str(tmp_path), {"tensorboard": True, "vectors_every": 10})
+  for step in range(1, ROWS + 1):
+    assert w.scalars(step, fake_run_rows(step))
+    if step % 10 == 0:
+      w.scalars(step, {"eval/loss": 3.0 - step / 100, "eval/loss/python_stdlib": 3.1}, stream="eval")
+    if w.wants_vectors(step):
+      w.vectors(step, {"moe_load": np.full((3, 4), 0.25)}, rows={"moe_load": [2, 3, 4]})
+  w.close()
+  expected, got = jsonl_scalars(str(tmp_path)), tb_scalars(str(tmp_path / writers.TENSORBOARD_DIR))
+  assert set(got) == set(expected)          # same (tag, step) pairs: null values left out of both
+  assert ("tokens_per_s", 1) not in got and ("stage", 1) not in got   # null and label: JSONL only
+  assert writers.read_rows(str(tmp_path / "metrics.jsonl"))[0]["stage"] == "pretrain_4k"
+  for key, (value, t) in expected.items():
+    # TensorBoard stores float32 scalars: exactly the float32 rounding of the JSONL value, and
+    # the JSONL row's wall time (a float64 in the event) to the microsecond.
+    assert got[key][0] == np.float32(value), key
+    assert abs(got[key][1] - t) < 1e-6, key
+  assert len(expected) == ROWS * 7 - 1 + 3 * 2
+  tags = {v.tag for e in tensorboard_events(str(tmp_path / writers.TENSORBOARD_DIR)) for v in e.summary.value}
+  assert {"moe_load/2", "moe_load/3", "moe_load/4", "moe_load/heatmap"} <= tags
+
+
+def test_resumed_run_writes_each_step_once_and_keeps_written_rows(tmp_path):
+  workdir = str(tmp_path)
+  first = writers.open_writers(workdir, {"tensorboard": True})
+  for step in range(1, 8):
+    first.scalars(step, fake_run_rows(step))
+  first.close()
+  metrics = os.path.join(workdir, writers.STREAM_FILES["train"])
+  with open(metrics, "a") as f:
+    f.write('{"step": 8, "time": 1.0, "loss": 0.')          # a crash in mid-row
+  assert writers.last_step(metrics) == 7
+  # Resume from a checkpoint at step 5: steps 6.. are replayed (with other values here).
+  second = writers.open_writers(workdir, {"tensorboard": True})
+  written = [step for step in range(6, 13) if second.scalars(step, fake_run_rows(step, scale=2.0))]
+  second.close()
+  assert written == list(range(8, 13)) and second.dropped["train"] == 2
+  rows = writers.read_rows(metrics)
+  assert [r["step"] for r in rows] == list(range(1, 13))
+  for r in rows:   # rows 1..7 are the first run's, untouched; 8.. the resumed run's
+    assert r["loss"] == fake_run_rows(r["step"], scale=1.0 if r["step"] <= 7 else 2.0)["loss"]
+  with open(metrics, "rb") as f:
+    assert f.read().endswith(b"\n")
+  expected, got = jsonl_scalars(workdir), tb_scalars(os.path.join(workdir, writers.TENSORBOARD_DIR))
+  assert set(got) == set(expected)
+  assert all(got[k][0] == np.float32(v) for k, (v, _) in expected.items())
+
+
+def test_vectors_round_trip_and_cadence(tmp_path):
+  rng = np.random.default_rng(0)
+  w = writers.open_writers(str(tmp_path), {"tensorboard": False, "vectors_every": 5})
+  assert [s for s in range(1, 16) if w.wants_vectors(s)] == [5, 10, 15]
+  big = rng.random((4, 20_000))            # a row far longer than the tail-read chunk
+  small = rng.dirichlet(np.ones(8), size=3)
+  small[1, 2] = math.nan
+  assert w.vectors(5, {"moe_load": small}, rows={"moe_load": [2, 3, 4]})
+  assert w.vectors(10, {"big": big})
+  assert not w.vectors(10, {"big": big})   # once per step
+  w.close()
+  path = str(tmp_path / writers.STREAM_FILES["vectors"])
+  assert writers.last_step(path) == 10
+  rows = writers.read_vectors(path)
+  assert [r["step"] for r in rows] == [5, 10]
+  np.testing.assert_allclose(rows[0]["moe_load"], small, rtol=1e-5)   # 6 significant digits
+  assert math.isnan(rows[0]["moe_load"][1, 2])
+  assert rows[0]["rows"] == {"moe_load": [2, 3, 4]}
+  np.testing.assert_allclose(rows[1]["big"], big, rtol=1e-5)
+  again = writers.open_writers(str(tmp_path), {"vectors_every": 5})
+  assert not again.wants_vectors(10) and again.wants_vectors(15)
+  again.close()
+
+
+def test_only_process_zero_writes(tmp_path):
+  w = writers.open_writers(str(tmp_path / "w"), {"tensorboard": True, "vectors_every": 1},
+                           process_index=1)
+  assert not w.scalars(1, {"loss": 1.0}) and not w.wants_vectors(1)
+  w.close()
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_wandb_gets_the_same_rows_and_resumes_its_run(tmp_path, monkeypatch):
+  calls = []
+
+  class Run:
+    def log(self, data, step):
+      calls.append(("log", step, dict(data)))
+
+    def finish(self):
+      calls.append(("finish",))
+
+  fake = types.ModuleType("wandb")
+  fake.util = types.SimpleNamespace(generate_id=lambda: "run123")
+  fake.Histogram = lambda values: ("histogram", len(values))
+  fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  cfg = {"wandb": True, "wandb_project": "proj"}
+  w = writers.open_writers(str(tmp_path), cfg)
+  w.scalars(1, {"loss": 2.5})
+  w.vectors(1, {"moe_load": np.ones((2, 3))})
+  w.close()
+  fake.util = types.SimpleNamespace(generate_id=lambda: "other")
+  w = writers.open_writers(str(tmp_path), cfg)
+  w.scalars(1, {"loss": 9.9})                       # replayed: dropped everywhere
+  w.scalars(2, {"loss": 2.0})
+  w.close()
+  inits = [c[1] for c in calls if c[0] == "init"]
+  assert [i["id"] for i in inits] == ["run123", "run123"] and inits[0]["project"] == "proj"
+  assert inits[0]["resume"] == "allow"
+  logs = [(c[1], c[2]) for c in calls if c[0] == "log"]
+  assert logs == [(1, {"loss": 2.5}), (1, {"moe_load": ("histogram", 6)}), (2, {"loss": 2.0})]
+
+
+def test_wandb_asked_for_but_missing_says_how_to_fix(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "wandb", None)    # import wandb raises ImportError
+  with pytest.raises(RuntimeError, match="pip install wandb"):
+    writers.open_writers(str(tmp_path), {"wandb": True})
+
+
+def test_progress_lines_begin_beat_and_end():
+  lines = []
+  beat = threading.Event()
+
+  def log(msg):
+    lines.append(msg)
+    if "still running" in msg:
+      beat.set()
+
+  with writers.progress("compiling the train step", log, every_s=0.01):
+    assert beat.wait(10.0)                 # the body waits until a heartbeat line came
+  assert lines[0] == "compiling the train step …"
+  assert lines[-1].startswith("compiling the train step: done in ")
+  with pytest.raises(KeyError):
+    with writers.progress("restoring", lines.append, every_s=60):
+      raise KeyError("x")
+  assert lines[-1].startswith("restoring: failed after ")
