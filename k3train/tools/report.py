@@ -21,7 +21,8 @@ whose metrics the run did not record says "not recorded". Panels (`PANELS`):
   max_logit              largest MLA attention logit per step, overall and per layer (QK-Clip
                          acts above optim.qk_clip_tau), and the number of heads clipped
   data_skips             cumulative documents / media items the pipeline skipped, per source
-                         and reason; the padding share of each batch
+                         (data/skipped/<source>) and reason (…/<reason>, once one occurs); the
+                         padding share of each batch
   eval_details           eval loss by position bucket and retrieval accuracy, when recorded
 """
 
@@ -283,8 +284,9 @@ def panel_max_logit(m: RunMetrics, path: str) -> str | None:
 
 def panel_data_skips(m: RunMetrics, path: str) -> str | None:
   t = m.train
-  keys = t.with_prefix("data/errors/", "errors/")
-  series = [_series(t, k, k.split("errors/", 1)[1]) for k in keys]
+  prefixes = ("data/skipped/", "data/errors/", "errors/")
+  keys = t.with_prefix(*prefixes)
+  series = [_series(t, k, next(k[len(p):] for p in prefixes if k.startswith(p))) for k in keys]
   ylabels = []
   if keys:
     ylabels.append("skipped (cumulative)")
@@ -301,19 +303,21 @@ def panel_data_skips(m: RunMetrics, path: str) -> str | None:
   plots.lines(path, series, title="Data skip counts", ylabels=ylabels)
   if not keys:
     return "per-source skip counters not recorded"
-  total = sum(float(np.nanmax(t.columns[k])) for k in keys)
+  totals = [k for k in keys if k.rsplit("/", 1)[0] not in keys]   # not a per-reason child
+  total = sum(float(np.nanmax(t.columns[k])) for k in totals)
   return "no document or media item was skipped" if total == 0 else f"{total:.0f} skipped in all"
 
 
 def panel_eval_details(m: RunMetrics, path: str) -> str | None:
   e = m.eval
-  pos = e.with_prefix("eval/loss/pos_")
+  pos = e.with_prefix("eval/loss_by_pos/", "eval/loss/pos_")
   retrieval = e.with_prefix("eval/retrieval/")
   if not pos and not retrieval:
     return None
   series, ylabels = [], []
   if pos:
-    series += [_series(e, k, k.split("/")[-1], style="points") for k in pos]
+    series += [_series(e, k, "positions " + k.split("/")[-1].removeprefix("pos_").replace("_", "–"),
+                       style="points") for k in pos]
     ylabels.append("eval loss by position")
   if retrieval:
     series += [_series(e, k, k.split("/")[-1], style="points", axis=len(ylabels)) for k in retrieval]
@@ -391,7 +395,8 @@ def render_html(workdir: str, m: RunMetrics, panels: list[Panel], now: float) ->
     body.append("".join(part))
   return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>k3train run: "
           f"{esc(os.path.basename(os.path.abspath(workdir)))}</title><style>{_STYLE}</style></head>"
-          f"<body><h1>Run {esc(os.path.abspath(workdir))}</h1><table class=\"summary\">{rows}</table>"
+          f"<body><h1>Run {esc(os.path.abspath(workdir))}</h1>"
+          f"<table class=\"summary\">{rows}</table>"
           f"<p>{index}</p>{''.join(body)}</body></html>\n")
 
 
@@ -433,8 +438,9 @@ def main(argv=None) -> int:
   if not os.path.isdir(fv.workdir):
     cli.error(PROG, f"--workdir {fv.workdir!r} is not a directory")
     return cli.USAGE_ERROR
-  if not any(os.path.exists(os.path.join(fv.workdir, f)) for f in writers.STREAM_FILES.values()):
-    cli.error(PROG, f"--workdir {fv.workdir!r} holds no metric files ({', '.join(writers.STREAM_FILES.values())})")
+  files = writers.STREAM_FILES.values()
+  if not any(os.path.exists(os.path.join(fv.workdir, f)) for f in files):
+    cli.error(PROG, f"--workdir {fv.workdir!r} holds no metric files ({', '.join(files)})")
     return cli.USAGE_ERROR
   page, panels = build_report(fv.workdir, fv.out)
   missing = [p.id for p in panels if p.image is None]

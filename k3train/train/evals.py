@@ -5,12 +5,15 @@
 
 Every eval reads the same rows, so evals of one stage compare across steps:
 
-  held-out loss   `eval.batches` batches of `eval.sources` (its own stream, seeded by eval.seed),
-                  packed at the stage's seq_len T like training data. The mean next-token loss
-                  ("eval/loss") and the loss by position inside the document, in buckets with
+  held-out loss   the eval batches of k3train/train/evaluation.py (`eval.batches` batches per
+                  eval source: the held-out part of a training source, or all of a separate
+                  validation source), packed at the stage's seq_len T and batch. The mean
+                  next-token loss ("eval/loss", "eval/tokens", per source "eval/loss/<source>",
+                  "eval/tokens/<source>", as `evaluation.evaluate` names them) and the loss by
+                  position inside the packed piece (the context the model sees), in buckets with
                   edges 0, T/2^(n-1), …, T/4, T/2, T (n = eval.position_buckets):
-                  "eval/loss/pos_<lo>_<hi>" and their token counts "eval/tokens/pos_<lo>_<hi>".
-                  With a model that uses its context, the loss falls from bucket to bucket.
+                  "eval/loss_by_pos/<lo>_<hi>" and "eval/tokens_by_pos/<lo>_<hi>". With a model
+                  that uses its context, the loss falls from bucket to bucket.
   retrieval       for each task of `eval.retrieval`, train.global_batch_size generated documents
                   of exactly T tokens (k3train/data/retrieval.py, seeded by eval.seed, so never a
                   training document); a row is correct when the argmax prediction of every answer
@@ -29,9 +32,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from k3train.data import pipeline
 from k3train.data import retrieval
 from k3train.data import tokenizer as tokenizer_lib
+from k3train.train import evaluation
 
 EVAL_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask", "answer_mask")
 
@@ -81,22 +84,19 @@ class Evaluator:
     self.edges = position_edges(self.seq_len, ev.position_buckets)
     self.step = make_eval_step(run, self.edges)
     self.tok = tokenizer_lib.load_tokenizer(cfg.data.tokenizer)
+    self._held_out = None
 
-  def held_out_batches(self):
-    """The eval's held-out batches (this host's rows), the same at every eval of the stage."""
-    ev = self.cfg.eval
-    if not ev.batches or not len(ev.sources):
-      return []
-    data_cfg = {"sources": tuple(ev.sources), "weights": (1.0,) * len(ev.sources),
-                "tokenizer": self.cfg.data.tokenizer, "seq_len": self.seq_len,
-                "shuffle_seed": ev.seed, "num_workers": 0, "num_threads": 1}
-    it = pipeline.make_iterator(data_cfg, batch_size=self.rows, seed=ev.seed,
-                                process_index=self.process_index, process_count=self.process_count)
-    try:
-      return [dict(next(it), answer_mask=np.zeros((self.rows, self.seq_len), np.float32))
-              for _ in range(ev.batches)]
-    finally:
-      it.close()
+  def held_out_batches(self) -> dict[str, list[dict[str, np.ndarray]]]:
+    """{eval source: this host's rows of its eval batches}, built once per stage."""
+    if self._held_out is None:
+      self._held_out = {}
+      if self.cfg.eval.batches:
+        sets = evaluation.eval_set(self.cfg, process_index=self.process_index,
+                                   process_count=self.process_count)
+        zeros = np.zeros((self.rows, self.seq_len), np.float32)
+        self._held_out = {spec: [dict(b, answer_mask=zeros) for b in batches]
+                          for spec, batches in sets.batches.items()}
+    return self._held_out
 
   def retrieval_batch(self, task: str) -> dict[str, np.ndarray]:
     return retrieval.eval_rows(self.tok, task, seed=self.cfg.eval.seed, seq_len=self.seq_len,
@@ -108,16 +108,23 @@ class Evaluator:
 
   def __call__(self, state) -> dict[str, float]:
     out = {}
-    loss_sum = count = 0.0
-    for batch in self.held_out_batches():
-      r = self._run(state, batch)
-      loss_sum, count = loss_sum + r["loss_sum"], count + r["count"]
-    if np.sum(count) > 0:
-      out["eval/loss"] = float(np.sum(loss_sum) / np.sum(count))
+    total_sum = total_count = 0.0
+    for spec, batches in self.held_out_batches().items():
+      loss_sum = count = 0.0
+      for batch in batches:
+        r = self._run(state, batch)
+        loss_sum, count = loss_sum + r["loss_sum"], count + r["count"]
+      out[f"eval/tokens/{spec}"] = float(np.sum(count))
+      if np.sum(count) > 0:
+        out[f"eval/loss/{spec}"] = float(np.sum(loss_sum) / np.sum(count))
+      total_sum, total_count = total_sum + loss_sum, total_count + count
+    if np.sum(total_count) > 0:
+      out["eval/tokens"] = float(np.sum(total_count))
+      out["eval/loss"] = float(np.sum(total_sum) / np.sum(total_count))
       for k, (lo, hi) in enumerate(zip(self.edges[:-1], self.edges[1:])):
-        out[f"eval/tokens/pos_{lo}_{hi}"] = float(count[k])
-        if count[k] > 0:
-          out[f"eval/loss/pos_{lo}_{hi}"] = float(loss_sum[k] / count[k])
+        out[f"eval/tokens_by_pos/{lo}_{hi}"] = float(total_count[k])
+        if total_count[k] > 0:
+          out[f"eval/loss_by_pos/{lo}_{hi}"] = float(total_sum[k] / total_count[k])
     scores = []
     for task in self.cfg.eval.retrieval:
       try:

@@ -219,7 +219,8 @@ def pack_documents(documents: Iterable[tuple[str, np.ndarray]], *, seq_len: int,
   return batches, used
 
 
-def _encoded_documents(source, indices: Iterable[int], ids: DocumentIds, tok) -> Iterator[tuple[str, np.ndarray]]:
+def _encoded_documents(source, indices: Iterable[int], ids: DocumentIds,
+                       tok) -> Iterator[tuple[str, np.ndarray]]:
   """(id, token ids + eos) of the given documents; text only, empty and bad records skipped."""
   from k3train.data import documents as documents_lib
   encoder = documents_lib.DocumentEncoder(tok, None, documents_lib.RowBudget(2, 0, 0))
@@ -238,10 +239,13 @@ def _shift(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def eval_sources(cfg) -> list[str]:
-  """The eval source specs: eval.sources, or (empty) every training source with a positive weight."""
+  """The eval source specs: eval.sources, or (empty) every training source with a positive weight
+  except generated retrieval data (scored by eval.retrieval)."""
   specs = [str(s) for s in cfg.eval.sources]
   if not specs:
-    specs = [str(s) for s, w in zip(cfg.data.sources, cfg.data.weights) if w > 0]
+    generated = getattr(sources_lib, "RETRIEVAL_SOURCES", ())
+    specs = [str(s) for s, w in zip(cfg.data.sources, cfg.data.weights)
+             if w > 0 and str(s) not in generated]
   return specs
 
 

@@ -7,7 +7,8 @@ checkpoint and exits; re-running with the same workdir resumes exactly where it 
 With train.use_stages the loop runs the curriculum's stages one after the other in this process
 (k3train/train/curriculum.py): each stage is built, restored from the checkpoint its predecessor
 ended with, trained to its end, evaluated and checkpointed. Progress lines and every
-metrics.jsonl row name the stage; eval rows carry "eval": true.
+metrics.jsonl row name the stage. Evals (k3train/train/evals.py; every eval.every_steps steps and,
+in a curriculum, at each stage's end) append one row each to eval_metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from k3train.train import curriculum
 from k3train.train import evals
 from k3train.train import metrics as metrics_lib
 from k3train.train.checkpoint import Checkpointer
+
+
+EVAL_METRICS = "eval_metrics.jsonl"   # one row per eval (metrics.jsonl: one row per step)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -233,6 +237,7 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
   evaluator = None
   window = {"start": time.perf_counter(), "steps": 0}
   extra_keys = {"stage": stage.name, "seq_len": cfg.data.seq_len} if staged else {}
+  eval_path = os.path.join(os.path.dirname(fh.name), EVAL_METRICS)
 
   def record(step: int, device_metrics, pad_fraction: float, long_share: float) -> None:
     """Reads one finished step's metrics (one step late), checks them, appends and logs them."""
@@ -271,11 +276,12 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
     t0 = time.perf_counter()
     host = evaluator(state)
     if jax.process_index() == 0:
-      fh.write(json.dumps({"step": step, **extra_keys, "eval": True, **host}) + "\n")
-      fh.flush()
+      with open(eval_path, "a") as eval_fh:
+        eval_fh.write(json.dumps({"step": step, **extra_keys, **host}) + "\n")
     result.evals[step] = host
     shown = " | ".join(f"{k.removeprefix('eval/')} {v:.3g}" for k, v in host.items()
-                       if k == "eval/loss" or k.startswith("eval/loss/") or k.startswith("eval/retrieval/"))
+                       if k == "eval/loss" or k.startswith("eval/loss_by_pos/")
+                       or k.startswith("eval/retrieval/"))
     _log(f"eval at step {step}" + (f" ({tag}, seq_len {cfg.data.seq_len:,})" if staged else "")
          + f" in {time.perf_counter() - t0:.1f}s: {shown}")
 

@@ -17,8 +17,9 @@ Streams and files (in the work directory), one JSON object per line, steps stric
                                  e.g. moe_load [MoE layers, experts], rows = their layer numbers
 
 "time" is Unix seconds. Non-finite values are written as null (JSON has no NaN) and read back as
-NaN. TensorBoard (WORKDIR/tensorboard) gets every scalar under its JSONL name as tag, with the same
-step and wall time; a vector [R, C] becomes one histogram per row (`<name>/<row label>`) and a
+NaN. TensorBoard (WORKDIR/tensorboard) gets every scalar under its JSONL name as tag (characters
+TensorBoard does not allow in tags, outside [A-Za-z0-9_./-], become "_": `tensorboard_tag`), with
+the same step and wall time; a vector [R, C] becomes one histogram per row (`<name>/<row label>`) and a
 grey-scale heatmap image `<name>/heatmap` (value / row mean, 0 .. 2 mapped to black .. white);
 non-finite scalars (null in the JSONL) are left out.
 
@@ -38,6 +39,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import threading
 import time as time_lib
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -248,6 +250,15 @@ def heatmap_image(matrix_rc: np.ndarray) -> np.ndarray:
   return np.clip(np.nan_to_num(rel) * 127.5, 0, 255).astype(np.uint8)[None]
 
 
+_TAG_INVALID = re.compile(r"[^-/\w.]")
+
+
+def tensorboard_tag(name: str) -> str:
+  """The TensorBoard tag of a metric name, e.g. "mla_max_logit/stack.layers.3[0]" →
+  "mla_max_logit/stack.layers.3_0_" (TensorBoard's own rule, applied here so it is ours)."""
+  return _TAG_INVALID.sub("_", name).lstrip("/")
+
+
 class TensorBoardWriter(MetricWriter):
   """TensorBoard event files through tensorboardX (module docstring for the tags)."""
 
@@ -266,7 +277,8 @@ class TensorBoardWriter(MetricWriter):
   def scalars(self, step, values, *, stream="train", time=None):
     for tag, value in values.items():
       if not isinstance(value, str) and math.isfinite(float(value)):   # null in the JSONL: nothing
-        self._writer.add_scalar(tag, float(value), global_step=int(step), walltime=time)
+        self._writer.add_scalar(tensorboard_tag(tag), float(value), global_step=int(step),
+                                walltime=time)
 
   def vectors(self, step, values, *, rows=None, time=None):
     for name, value in values.items():
@@ -277,9 +289,10 @@ class TensorBoardWriter(MetricWriter):
       for label, row in zip(labels, a.reshape(a.shape[0], -1)):
         finite = row[np.isfinite(row)]
         if finite.size:
-          self._writer.add_histogram(f"{name}/{label}", finite, global_step=int(step), walltime=time)
+          self._writer.add_histogram(tensorboard_tag(f"{name}/{label}"), finite,
+                                     global_step=int(step), walltime=time)
       if a.ndim == 2 and a.shape[0] > 1:
-        self._writer.add_image(f"{name}/heatmap", heatmap_image(a), global_step=int(step),
+        self._writer.add_image(tensorboard_tag(f"{name}/heatmap"), heatmap_image(a), global_step=int(step),
                                walltime=time, dataformats="CHW")
 
   def flush(self):
@@ -447,4 +460,4 @@ def progress(what: str, log: Callable[[str], None], *, every_s: float = 30.0,
 
 __all__ = ["JsonlWriter", "MetricWriter", "MetricWriters", "STREAM_FILES", "TENSORBOARD_DIR",
            "TensorBoardWriter", "WandbWriter", "heatmap_image", "last_step", "open_writers",
-           "progress", "read_rows", "read_vectors"]
+           "progress", "read_rows", "read_vectors", "tensorboard_tag"]

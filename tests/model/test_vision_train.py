@@ -70,26 +70,48 @@ def make_config(media_path):
   return config_lib.validate(cfg)
 
 
+def check_rows(b, max_patches):
+  """Per row: Σ h·w/4 placeholders, all t·h·w patches of every grid (nothing cut mid-grid),
+  padding only at the tail, no loss on placeholder targets. Returns the frame counts seen."""
+  kinds = set()
+  for r in range(len(b["tokens"])):
+    grids = b["vision_grids"][r]
+    real = grids[np.prod(grids, -1) > 0]
+    kinds |= {int(t) for t in real[:, 0]}
+    assert int(np.sum(b["tokens"][r] == PAD)) == int(np.sum(real[:, 1] * real[:, 2] // 4))
+    ids = b["vision_grid_ids"][r]
+    for g, (t, h, w) in enumerate(real):
+      assert int(np.sum(ids == g + 1)) == t * h * w
+    used = int(np.sum(np.prod(real, -1)))
+    assert used <= max_patches and np.all(ids[used:] == 0)
+    assert np.all(b["loss_mask"][r][b["targets"][r] == PAD] == 0)
+  return kinds
+
+
 def test_batches_hold_whole_grids_and_count_bad_media(media):
-  """Every row carries exactly Σ h·w/4 placeholders and all t·h·w patches of each of its grids
-  (nothing cut mid-grid); placeholder targets are masked; the broken image is counted."""
+  """Whole grids in every row, also when a document's 176 patches (chunks of 64, 64 and 32
+  patches and a 16-patch image) must be split over rows of 72 patches; the broken image is
+  skipped and counted; nothing else is dropped."""
   cfg = make_config(media)
   it = pipeline.make_iterator(cfg.data, batch_size=4, seed=0)
   kinds = set()
   for _ in range(12):
-    b = next(it)
-    for r in range(4):
-      grids = b["vision_grids"][r]
-      real = grids[np.prod(grids, -1) > 0]
-      kinds |= {int(t) for t in real[:, 0]}
-      assert int(np.sum(b["tokens"][r] == PAD)) == int(np.sum(real[:, 1] * real[:, 2] // 4))
-      ids = b["vision_grid_ids"][r]
-      for g, (t, h, w) in enumerate(real):
-        assert int(np.sum(ids == g + 1)) == t * h * w
-      assert np.all(ids[int(np.sum(np.prod(real, -1))):] == 0)       # padding only at the tail
-      assert np.all(b["loss_mask"][r][b["targets"][r] == PAD] == 0)
+    kinds |= check_rows(next(it), cfg.data.vision.max_patches_per_row)
   assert {1, 4} <= kinds                                              # images and 4-frame chunks
   errors = it.metrics()
+  assert errors[f"errors/interleaved:{media}/corrupt"] + errors[f"errors/interleaved:{media}/unknown_format"] >= 1
+  tight = make_config(media).data
+  tight.sources, tight.weights = (f"interleaved:{media}",), (1.0,)
+  tight.vision.max_patches_per_row = 72
+  it = pipeline.make_iterator(tight, batch_size=4, seed=0)
+  grids_per_row = []
+  for _ in range(6):
+    b = next(it)
+    check_rows(b, 72)
+    grids_per_row += [int(np.sum(np.prod(g, -1) > 0)) for g in b["vision_grids"]]
+  assert max(grids_per_row) < 4 and sum(grids_per_row) >= 12           # documents split between grids
+  errors = it.metrics()
+  assert errors[f"errors/interleaved:{media}/too_long_for_row"] == 0
   assert errors[f"errors/interleaved:{media}/corrupt"] + errors[f"errors/interleaved:{media}/unknown_format"] >= 1
 
 

@@ -35,7 +35,7 @@ def write_run(workdir):
       w.vectors(step, {"moe_load": load}, rows={"moe_load": list(LAYERS)})
     if step % 20 == 0:
       w.scalars(step, {"eval/loss": 6.5 / (1 + step / 20), "eval/loss/python_stdlib": 6.4 / (1 + step / 20),
-                       "eval/loss/pos_0_32": 6.0, "eval/retrieval/passkey": 0.5}, stream="eval")
+                       "eval/loss_by_pos/0_32": 6.0, "eval/retrieval/passkey": 0.5}, stream="eval")
   w.close()
   with open(os.path.join(workdir, writers.STREAM_FILES["train"]), "a") as f:
     f.write('{"step": 61, "time": 1.0, "lo')        # the row being written right now

@@ -153,7 +153,7 @@ def test_evaluate_equals_reference_loss(corpus):
   all_total, all_count = map(sum, zip(*sums.values()))
   assert out["eval/loss"] == pytest.approx(all_total / all_count, rel=1e-5)
   # A plain callable gives the same numbers.
-  step = evaluation.make_loss_step(*nnx.split(model, nnx.Param, ...)[:1])
-  params, rest = nnx.split(model, nnx.Param, ...)[1:]
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  step = evaluation.make_loss_step(graphdef)
   same = evaluation.evaluate(lambda b: step(params, rest, b), data.batches)
   assert same == pytest.approx(out, rel=1e-6)

@@ -50,12 +50,13 @@ def tb_scalars(logdir):
 
 
 def jsonl_scalars(workdir):
+  """{(TensorBoard tag of the key, step): (value, time)} of every recorded JSONL scalar."""
   out = {}
   for stream in ("train", "eval"):
     for row in writers.read_rows(os.path.join(workdir, writers.STREAM_FILES[stream])):
       for k, v in row.items():
         if k not in ("step", "time") and not isinstance(v, str) and math.isfinite(v):
-          out[(k, row["step"])] = (v, row["time"])
+          out[(writers.tensorboard_tag(k), row["step"])] = (v, row["time"])
   return out
 
 
@@ -64,6 +65,7 @@ def fake_run_rows(step, scale=1.0):
   return {"stage": "pretrain_4k", "loss": scale * (4.0 / step + rng.random()),
           "lr": 3e-3 * min(1.0, step / 10),
           "grad_norm": float(rng.lognormal()), "grad_norm/kda": float(rng.random()),
+          "mla_max_logit/stack.layers.3[1]": float(rng.random()),
           "tokens_per_s": math.nan if step == 1 else 1000.0 + step, "mfu": 1e-3 * step,
           "data/errors/python_stdlib/bad_record": float(step // 7)}
 
@@ -86,7 +88,8 @@ def test_tensorboard_scalars_equal_jsonl_rows(tmp_path):
     # the JSONL row's wall time (a float64 in the event) to the microsecond.
     assert got[key][0] == np.float32(value), key
     assert abs(got[key][1] - t) < 1e-6, key
-  assert len(expected) == ROWS * 7 - 1 + 3 * 2
+  assert len(expected) == ROWS * 8 - 1 + 3 * 2
+  assert ("mla_max_logit/stack.layers.3_1_", 5) in got
   tags = {v.tag for e in tensorboard_events(str(tmp_path / writers.TENSORBOARD_DIR)) for v in e.summary.value}
   assert {"moe_load/2", "moe_load/3", "moe_load/4", "moe_load/heatmap"} <= tags
 

@@ -68,7 +68,7 @@ def format_stage_line(stage: config_lib.Stage, p, count: int) -> str:
   """One line: the stage, its shape, mesh, batch per device, peak against the budget, verdict."""
   c = stage.cfg
   head = (f"stage {stage.index + 1}/{count} {stage.name!r}: seq_len {c.data.seq_len:,} × "
-          f"{c.train.global_batch_size:,} ({stage.tokens_per_step / 1e6:.2f} M tokens/step)")
+          f"{c.train.global_batch_size:,} ({stage.tokens_per_step:,} tokens/step)")
   if isinstance(p, str):
     return f"{head}: ERROR {p}"
   verdict = "FITS" if p.fits else "DOES NOT FIT"
