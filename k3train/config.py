@@ -164,6 +164,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(e.backend in MOE_BACKENDS, "model.moe.backend", f"must be one of {MOE_BACKENDS}, got {e.backend!r}")
   _validate_quant(m)
 
+  _require(m.mtp.loss_weight >= 0, "model.mtp.loss_weight", f"must be >= 0, got {m.mtp.loss_weight}")
   _require(m.attn_res.block_size >= 1, "model.attn_res.block_size",
            f"must be >= 1 decoder layers, got {m.attn_res.block_size}")
 

@@ -71,6 +71,10 @@ def k3_full() -> ml_collections.ConfigDict:
   r = m.attn_res = ml_collections.ConfigDict()
   r.block_size = 12               # decoder layers per AttnRes block
 
+  mt = m.mtp = ml_collections.ConfigDict()     # multi-token prediction (docs/maths.md §8, k3train/model/mtp.py)
+  mt.enabled = False              # one MLA + MoE module predicting t+2; released as model.mtp.*
+  mt.loss_weight = 0.1            # λ: total loss = main + λ · MTP loss
+
   w = m.vision = ml_collections.ConfigDict()   # MoonViT-V2 tower + PatchMergerMLPV2 (docs/maths.md §6.2)
   w.enabled = True                # trained jointly with the text model from scratch; must equal data.vision.enabled
   w.num_layers = 27

@@ -47,10 +47,10 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from k3train.model import layers
+from k3train.parallel import attention as parallel_attention
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
-from k3train.model import layers
-from pallas_kernels.attention import attention as attention_op
 
 PATCH_VALUES = 14 * 14 * 3     # values per patch (model.vision.patch_size = 14, RGB)
 MERGE = 2                      # 2×2 spatial merge
@@ -192,7 +192,9 @@ class VisionBlock(nnx.Module):
     q, k, v = qkv[:, :, :h], qkv[:, :, h:2 * h], qkv[:, :, 2 * h:]
     q = apply_rope(q, cos_bpk, sin_bpk).astype(self.dtype)
     k = apply_rope(k, cos_bpk, sin_bpk).astype(self.dtype)
-    out, _ = attention_op(q, k, v, grid_ids_bp, scale=self.scale, causal=False, backend=self.backend)
+    out, _ = parallel_attention.attention(q, k, v, grid_ids_bp, scale=self.scale, causal=False,
+                                          backend=self.backend,
+                                          names=(ax.BATCH, ax.PATCHES, ax.VIT_HEADS))
     out = constrain(out.astype(self.dtype), ax.BATCH, ax.PATCHES, ax.VIT_HEADS, ax.HEAD_DIM)
     x_bpd = x_bpd + self.o_proj(out)
     hidden = jax.nn.gelu(self.up_proj(self.mlp_norm(x_bpd)).astype(jnp.float32), approximate=True)

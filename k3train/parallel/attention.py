@@ -14,6 +14,8 @@ would bound it by one shard, at the cost of P sequential steps.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -22,26 +24,31 @@ from k3train.parallel import rules as rules_lib
 from pallas_kernels.attention import attention as attention_op
 
 
-def attention(q_bthk, k_bthk, v_bthv, segment_ids_bt, *, scale: float, backend: str):
-  """(out [B, T, H, Dv], max_logit [B, H] fp32) of causal document-masked attention."""
+def attention(q_bthk, k_bthk, v_bthv, segment_ids_bt, *, scale: float, backend: str,
+              causal: bool = True, names: tuple[str, str, str] = (ax.BATCH, ax.SEQ, ax.HEADS)):
+  """(out [B, T, H, Dv], max_logit [B, H] fp32) of document-masked attention (causal by default).
+
+  `names`: the logical axes of (batch, time, heads); a time axis that the rules leave whole
+  (e.g. the vision tower's patches) runs the op on the local batch and heads only.
+  """
+  op = functools.partial(attention_op, scale=scale, causal=causal, backend=backend)
   layout = rules_lib.active()
   if layout is None:
-    return attention_op(q_bthk, k_bthk, v_bthv, segment_ids_bt, scale=scale, backend=backend)
+    return op(q_bthk, k_bthk, v_bthv, segment_ids_bt)
   mesh = layout[0]
-  b_axes, t_axes, h_axes = rules_lib.mesh_axes_of((ax.BATCH, ax.SEQ, ax.HEADS))
+  b_axes, t_axes, h_axes = rules_lib.mesh_axes_of(names)
   if segment_ids_bt is None:
     segment_ids_bt = jnp.ones(q_bthk.shape[:2], jnp.int32)
   size = rules_lib.axis_size(mesh, t_axes)
 
   def local(q, k, v, seg):
     if size == 1:
-      return attention_op(q, k, v, seg, scale=scale, backend=backend)
+      return op(q, k, v, seg)
     offset = jax.lax.axis_index(t_axes) * q.shape[1]
     k_all = jax.lax.all_gather(k, t_axes, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, t_axes, axis=1, tiled=True)
     seg_all = jax.lax.all_gather(seg, t_axes, axis=1, tiled=True)
-    out, max_logit = attention_op(q, k_all, v_all, (seg, seg_all), scale=scale, q_offset=offset,
-                                  backend=backend)
+    out, max_logit = op(q, k_all, v_all, (seg, seg_all), q_offset=offset)
     return out, jax.lax.pmax(jax.lax.stop_gradient(max_logit), t_axes)
 
   x_spec = rules_lib.spec_from_axes(b_axes, t_axes, h_axes, ())

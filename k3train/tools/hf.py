@@ -547,10 +547,11 @@ def export_release(workdir: str, out_dir: str, cfg=None, *, mxfp4_experts=None,
     if index_meta is not None:
       hf_files.write_index(staging, weight_map, total, index_meta)
     hf_cfg = hf_layout.config_to_hf(cfg, record["config"] if record else None)
-    if any_packed and "quantization_config" not in hf_cfg:
-      hf_cfg["quantization_config"] = MXFP4_QUANTIZATION
-    if not any_packed:
-      hf_cfg.pop("quantization_config", None)
+    if record is None or mxfp4_experts is not None:   # packing chosen here, not recorded
+      if any_packed and "quantization_config" not in hf_cfg:
+        hf_cfg["quantization_config"] = MXFP4_QUANTIZATION
+      if not any_packed:
+        hf_cfg.pop("quantization_config", None)
     with open(os.path.join(staging, hf_files.CONFIG), "w") as f:
       json.dump(hf_cfg, f, indent=2)
       f.write("\n")

@@ -323,7 +323,8 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
     ckpt.wait()
     _log(f"{tag} done at step {step:,} ({curriculum.tokens_label(stage.start_tokens + (step - stage.start_step) * tokens_per_step)} "
          f"tokens seen); checkpoint at step {step} saved: end of stage")
-  result.fingerprint = params_fingerprint(state.params)
+  if step >= end or result.stopped_by_signal or stage.index == len(run_stages) - 1:
+    result.fingerprint = params_fingerprint(state.params)     # the run's last stage
   data.close()
   del state
   return step

@@ -22,7 +22,7 @@ def randomize(model, seed=0, scale=0.3):
   def noisy(state):
     leaves, treedef = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x + scale * jnp.std(x + 1.0) * jax.random.normal(k, x.shape, x.dtype)
+    leaves = [x + scale * (jnp.std(x) + 0.1) * jax.random.normal(k, x.shape, x.dtype)
               if jnp.issubdtype(x.dtype, jnp.floating) else x for x, k in zip(leaves, keys)]
     return jax.tree.unflatten(treedef, leaves)
   nnx.update(model, jax.jit(noisy)(nnx.state(model)))

@@ -45,7 +45,7 @@ def reference_model(mxfp4: bool):
   def values(state):
     leaves, treedef = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(7), len(leaves))
-    leaves = [(x + 0.3 * jnp.std(x + 1.0) * jax.random.normal(k, x.shape)).astype(jnp.bfloat16)
+    leaves = [(x + 0.3 * (jnp.std(x) + 0.1) * jax.random.normal(k, x.shape)).astype(jnp.bfloat16)
               .astype(x.dtype) for x, k in zip(leaves, keys)]
     return jax.tree.unflatten(treedef, leaves)
 
@@ -188,8 +188,12 @@ def write_release(directory, model, cfg, *, mxfp4: bool):
            "weight_map": {k: f for f, part in files.items() for k in part}}
   with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
     json.dump(index, f)
+  config = hand_config(cfg)
+  if mxfp4:
+    config["quantization_config"] = {"quant_method": "compressed-tensors",
+                                     "format": "mxfp4-pack-quantized", "group_size": 32}
   with open(os.path.join(directory, "config.json"), "w") as f:
-    json.dump(hand_config(cfg), f)
+    json.dump(config, f)
   with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
     json.dump({"model_max_length": 1048576}, f)
   return tensors
