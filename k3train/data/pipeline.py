@@ -476,6 +476,9 @@ def _check(config: dict) -> None:
     raise ValueError("data.sources must name at least one source")
   if len(set(specs)) != len(specs):
     raise ValueError(f"data.sources has duplicates: {specs}")
+  for spec in specs:
+    if spec.partition(":")[0] not in sources_lib.SOURCES:
+      sources_lib.make_source(spec)                    # raises, listing the allowed names
   if len(weights) != len(specs) or any(not w >= 0 for w in weights) or not any(w > 0 for w in weights):
     raise ValueError(f"data.weights must be {len(specs)} numbers >= 0 (one per source), at least one "
                      f"positive, got {weights}")
@@ -501,8 +504,6 @@ def _build(config: dict, reader_init: Mapping[str, dict] | None) -> tuple[grain.
     state = (reader_init or {}).get(spec) or initial_reader_state(config["process_index"],
                                                                   config["process_count"])
     if not weights[slot] > 0:
-      if spec.partition(":")[0] not in sources_lib.SOURCES:
-        sources_lib.make_source(spec)                  # raises, listing the allowed names
       idle[spec] = copy.deepcopy(state)
       continue
     stream_seed = _seed(config["shuffle_seed"], config["seed"], _spec_seed(spec))

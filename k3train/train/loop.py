@@ -321,8 +321,9 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
     ckpt.save(step, state, _all_hosts_data_state(data), force=True)
   if staged and step == stage.end_step and step < end and not result.stopped_by_signal:
     ckpt.wait()
-    _log(f"{tag} done at step {step:,} ({curriculum.tokens_label(stage.start_tokens + (step - stage.start_step) * tokens_per_step)} "
-         f"tokens seen); checkpoint at step {step} saved: end of stage")
+    seen = stage.start_tokens + (step - stage.start_step) * tokens_per_step
+    _log(f"{tag} done at step {step:,} ({curriculum.tokens_label(seen)} tokens seen); "
+         f"checkpoint at step {step} saved: end of stage")
   if step >= end or result.stopped_by_signal or stage.index == len(run_stages) - 1:
     result.fingerprint = params_fingerprint(state.params)     # the run's last stage
   data.close()

@@ -416,3 +416,34 @@ def test_generate_prints_text_and_throughput(release, capsys):
   assert lines[0].startswith("def main():") and lines[1].startswith("def main():")
   assert lines[-2].startswith("prefill: ") and "tokens/s" in lines[-2]
   assert lines[-1].startswith("decode: 4 tokens") and "tokens/s" in lines[-1]
+
+
+def test_fresh_layout_export_imports_back_to_the_same_parameters(release):
+  """Export without a recorded release layout (a run trained from scratch): a fresh config.json
+  and shards of --shard_size_mb; importing that gives back the parameters (bf16-exact here)."""
+  model, _, _, work, tensors, root = release
+  scratch = str(root / "scratch_run")
+  shutil.copytree(work, scratch, ignore=shutil.ignore_patterns(hf.RELEASE_DIR))
+  out = str(root / "fresh")
+  assert hf.main(["hf", "export", f"--workdir={scratch}", f"--out={out}", "--shard_size_mb=1"]) == 0
+  shards = read_dir(out)
+  assert len(shards) > 1 and sorted(k for s in shards.values() for k in s) == sorted(tensors)
+  imported, _ = hf.load_release_model(out, k3_tiny.get_config())
+  want = flat_state(model)
+  for key, value in flat_state(imported).items():
+    if not key.endswith(("expert_load", "qb_pending", "max_logit")):
+      np.testing.assert_array_equal(value, want[key], err_msg=key)
+
+
+def test_mtp_tensors_of_a_release_pass_through_unchanged(release):
+  """A release's model.mtp.* tensors, with no MTP module in the k3train model, come back out of
+  export bit for bit and in their shard."""
+  _, _, src, _, _, root = release
+  extra = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
+  bad = _malformed(src, root, "with_mtp", lambda d: (_without_index(d), _rewrite(
+      d, SHARD1, lambda t: t.update({"model.mtp.eh_proj.weight": extra}))))
+  work, out = str(root / "run_mtp"), str(root / "out_mtp")
+  assert hf.main(["hf", "import", f"--hf_checkpoint={bad}", f"--workdir={work}", f"--config={TINY}"]) == 0
+  assert hf.main(["hf", "export", f"--workdir={work}", f"--out={out}"]) == 0
+  got = read_dir(out)[SHARD1]["model.mtp.eh_proj.weight"]
+  assert got.dtype == extra.dtype and got.tobytes() == extra.tobytes()
