@@ -31,6 +31,7 @@ def get_config():
   m.attn_res.block_size = 6
   m.vision.enabled = False               # text benchmarks; set both to True for a multimodal step
   c.data.vision.enabled = False
+  c.train.use_stages = False             # one stage; the K3 stage plan needs a pod
 
   c.data.seq_len = 4096
   c.train.global_batch_size = 16
