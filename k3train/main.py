@@ -61,7 +61,7 @@ def main(argv=None) -> int:
   from k3train.train import loop  # heavy imports after flag parsing
   try:
     loop.train(cfg, fv.workdir, stop_at_step=fv.stop_at_step)
-  except loop.NonFiniteLossError as e:
+  except loop.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
   return 0

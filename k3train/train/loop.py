@@ -33,14 +33,23 @@ from k3train.train import builder
 from k3train.train import curriculum
 from k3train.train import evals
 from k3train.train import metrics as metrics_lib
-from k3train.train.checkpoint import Checkpointer
+from k3train.train.checkpoint import Checkpointer, flatten_state
+from k3train.train.step import NONFINITE_GROUPS
 
 
 EVAL_METRICS = "eval_metrics.jsonl"   # one row per eval (metrics.jsonl: one row per step)
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteError(FloatingPointError):
+  """A step produced NaN or Inf (loss, gradient norm, parameters, optimizer or model state)."""
+
+
+class NonFiniteLossError(NonFiniteError):
   """The loss became NaN or Inf."""
+
+
+class NonFiniteStateError(NonFiniteError):
+  """The gradient norm, the updated parameters, optimizer state or model state hold NaN or Inf."""
 
 
 @dataclass
@@ -123,13 +132,28 @@ def _restore_data_state(data, saved: dict) -> None:
     data.set_state(saved)
 
 
-def _check_finite(step: int, host_metrics: dict) -> None:
+def _check_finite(step: int, host_metrics: dict, leaf_names=None) -> None:
+  """Raises on a non-finite loss, or on the step's "nonfinite" flags (k3train/train/step.py);
+  `leaf_names()` gives the names of the state's leaves, to name the first offending one."""
   loss = host_metrics["loss"]
   if not math.isfinite(loss):
     raise NonFiniteLossError(
         f"loss is {loss} at step {step} (grad_norm {host_metrics.get('grad_norm')}); stopping. "
         "Nothing from this step was checkpointed; lower optim.learning_rate or check the data, "
         "then resume from the last checkpoint in the workdir.")
+  code = int(host_metrics.pop("nonfinite", 0))
+  leaf = int(host_metrics.pop("nonfinite_leaf", -1))
+  if code:
+    groups = [name for bit, name in NONFINITE_GROUPS if code & bit]
+    name = ""
+    if leaf >= 0 and leaf_names is not None:
+      names = leaf_names()
+      name = f"; first non-finite leaf {names[leaf]}" if leaf < len(names) else ""
+    raise NonFiniteStateError(
+        f"non-finite {', '.join(groups)} at step {step} ({groups[0]} first{name}; loss {loss}, "
+        f"grad_norm {host_metrics.get('grad_norm')}); stopping. Nothing from "
+        "this step was checkpointed; lower optim.learning_rate or check the data, then resume "
+        "from the last checkpoint in the workdir.")
 
 
 def params_fingerprint(params) -> float:
@@ -245,7 +269,7 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
     host["padding_fraction"] = pad_fraction
     if staged:
       host["long_doc_share"] = long_share
-    _check_finite(step, host)
+    _check_finite(step, host, lambda: list(flatten_state(state)))
     result.losses[step] = host["loss"]
     if staged and step == stage.start_step + 1:
       result.stage_first_losses[stage.name] = host["loss"]

@@ -149,6 +149,31 @@ def spike_guard(loss, loss_ema, *, factor: float, decay: float):
   return skip, jnp.where(skip, loss_ema, blended)
 
 
+# Bits of the "nonfinite" metric: which part of a step's result holds a NaN or Inf.
+NONFINITE_GROUPS = ((1, "grad_norm"), (2, "params"), (4, "opt_state"), (8, "model state (rest)"))
+
+
+def nonfinite_check(new_state: TrainState, grad_norm, skip) -> dict:
+  """Two scalars for the loop: "nonfinite" (0 when every float leaf of the new state and the
+  gradient norm are finite, else the sum of the NONFINITE_GROUPS bits that are not) and
+  "nonfinite_leaf" (index of the first non-finite leaf in `jax.tree.leaves(new_state)`, -1 if
+  none). A gradient norm that is not finite is allowed when the spike guard skipped the update."""
+  leaves = jax.tree.leaves(new_state)
+  ok = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+        for x in leaves]
+  ok_all = jnp.stack(ok)
+  def group_ok(tree):
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+  bad = {"grad_norm": jnp.logical_not(jnp.logical_or(jnp.isfinite(grad_norm), skip)),
+         "params": jnp.logical_not(group_ok(new_state.params)),
+         "opt_state": jnp.logical_not(group_ok(new_state.opt_state)),
+         "model state (rest)": jnp.logical_not(group_ok(new_state.rest))}
+  code = sum(bit * bad[name].astype(jnp.float32) for bit, name in NONFINITE_GROUPS)
+  first = jnp.where(jnp.all(ok_all), -1, jnp.argmin(ok_all.astype(jnp.int32)))
+  return {"nonfinite": code, "nonfinite_leaf": first.astype(jnp.float32)}
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_spike_factor: float = 0.0,
                     loss_spike_ema: float = 0.99, qk_clip_tau: float | None = None,
                     mla_nope_dim: int | None = None, microbatches: int = 1, quant=None):
@@ -200,6 +225,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
     if logits_max:
       metrics["mla_max_logit"] = jnp.max(jnp.concatenate([x.reshape(-1) for x in logits_max]))
     skipped = state.skipped + skip.astype(jnp.int32)
-    return TrainState(state.step + 1, params, rest, opt_state, loss_ema, skipped), metrics
+    new_state = TrainState(state.step + 1, params, rest, opt_state, loss_ema, skipped)
+    metrics.update(nonfinite_check(new_state, metrics["grad_norm"], skip))
+    return new_state, metrics
 
   return train_step
