@@ -106,6 +106,10 @@ def k3_full() -> ml_collections.ConfigDict:
   d.num_workers = 0               # worker processes per source (grain mp_prefetch); 0 = in-process
   d.num_threads = 1               # reader threads per source (grain ReadOptions)
   d.long_doc_weight = 1.0         # ≥ 1: keep documents of ≤ seq_len / 2 tokens with prob. 1 / this
+  # A source that yields no usable document in this many records in a row, or seconds, fails
+  # naming its skip counts (counts go to metrics.jsonl as data/skipped/<source>/<reason>).
+  d.max_unusable_records = 10_000
+  d.max_unusable_seconds = 300.0
   # Share of every source's documents held out from training for evaluation, chosen by a hash of
   # the document's id (k3train/train/evaluation.py); eval.sources naming a training source read it.
   d.heldout_fraction = 0.01

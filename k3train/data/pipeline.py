@@ -27,6 +27,15 @@ Every row holds exactly Σ h·w/4 <|image_pad|> input tokens over its grids (pla
 never cut off a row); documents are split across rows only outside vision spans
 (documents.py). Padding is only at the tail of a row (first-fit packing never interleaves).
 
+Held-out documents
+------------------
+With data.heldout_fraction = f > 0 every training source except the generated retrieval sources
+is read through `split.SplitSource(source, f, "train")` (k3train/data/split.py): a document
+whose id hashes below f is held out for evaluation and never reaches a batch. A held-out document
+keeps its stream position (it is read as an empty document, which no piece comes from), so
+positions, iterator states and resharding are those of the whole source; it is not counted as
+skipped. The fraction defines the split, so it may not change on restore.
+
 Iterator state (`get_state()`, plain JSON) holds the grain state, the configuration it belongs
 to and cumulative per-source error counters (`metrics()`).
 
@@ -71,6 +80,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from typing import Any, Mapping, Sequence
 
 from absl import flags as absl_flags
@@ -81,6 +91,7 @@ import numpy as np
 from k3train import config as config_lib
 from k3train.data import documents
 from k3train.data import sources as sources_lib
+from k3train.data import split as split_lib
 from k3train.data import tokenizer as tokenizer_lib
 from k3train.data import vision as vision_lib
 
@@ -214,6 +225,25 @@ class _Finalize(grain.transforms.Map):
 # --- per-source reader --------------------------------------------------------------------
 
 
+class _KeepPositions:
+  """A source whose hidden documents (None, e.g. held out by a `split.SplitSource`) read as an
+  empty document instead: grain drops None elements from an iterator, which would shift every
+  later stream position a reader counts, so the position bookkeeping needs one element per index."""
+
+  def __init__(self, source):
+    self.source = source
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def __getitem__(self, index):
+    item = self.source[index]
+    return "" if item is None else item
+
+  def __repr__(self) -> str:
+    return f"_KeepPositions({self.source!r})"
+
+
 def source_stream(source, seed: int) -> grain.MapDataset:
   """The endless global stream of one source: a fresh permutation every epoch."""
   return grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
@@ -251,9 +281,12 @@ class SourceReader(grain.DatasetIterator):
 
   def __init__(self, *, slot: int, num_slots: int, stream: grain.MapDataset, encoder,
                budget: documents.RowBudget, with_vision: bool, read_options, mp_workers: int,
-               state: dict, long_doc_weight: float = 1.0, coin_seed: int = 0):
+               state: dict, long_doc_weight: float = 1.0, coin_seed: int = 0, spec: str = "?",
+               max_unusable_records: int = sources_lib.MAX_UNUSABLE_RECORDS,
+               max_unusable_seconds: float = sources_lib.MAX_UNUSABLE_SECONDS):
     super().__init__()
     self.slot, self.num_slots = slot, num_slots
+    self.spec, self.max_unusable = spec, (int(max_unusable_records), float(max_unusable_seconds))
     self.long_doc_weight, self.coin_seed = float(long_doc_weight), int(coin_seed)
     self.stream, self.encoder, self.budget = stream, encoder, budget
     self.with_vision, self.read_options, self.mp_workers = with_vision, read_options, mp_workers
@@ -292,9 +325,14 @@ class SourceReader(grain.DatasetIterator):
     return self._parent_iter
 
   def __next__(self):
+    dry, empty, t0 = 0, 0, time.monotonic()       # records read without a usable document
     while self.cur is None:
+      if dry:
+        self._check_dry(dry, empty, time.monotonic() - t0)
+      dry += 1
       j = self.next_doc
       doc = next(self._parent())
+      empty += int(not np.any(doc.errors))
       g = self._global_position(j)
       self.next_doc = j + 1
       offset = self.holes.get(g, 0)
@@ -320,6 +358,21 @@ class SourceReader(grain.DatasetIterator):
     self.pending = np.zeros_like(self.pending)
     piece[_STATS] = stats
     return piece
+
+  def _check_dry(self, dry: int, empty: int, seconds: float) -> None:
+    """Fails when this source has read too many records in a row without a usable document (or
+    a stop signal came while it waits), naming the source and what it skipped."""
+    records, limit_s = self.max_unusable
+    interrupted = sources_lib.STOP_WAITING.is_set() and seconds > 1.0
+    if dry < records and seconds < limit_s and not interrupted:
+      return
+    counts = {r: int(n) for r, n in zip(REASONS, self.pending)}
+    counts["empty_or_too_short"] = empty
+    why = "stopped by a signal while waiting" if interrupted else "giving up"
+    raise sources_lib.NoUsableDocumentsError(
+        f"data source {self.spec!r} gave no usable document in {dry:,} records read in a row "
+        f"({seconds:.0f} s; {why}); skipped: {sources_lib.skip_summary(counts)}. Bounds: "
+        f"data.max_unusable_records={records}, data.max_unusable_seconds={limit_s:g}")
 
   def _keep(self, position: int, length: int) -> bool:
     """Length-aware sampling: long documents always, short ones with probability 1 / weight."""
@@ -414,9 +467,20 @@ def reader_states(state: Mapping[str, Any]) -> dict[str, dict]:
 
 # Iterator settings that may differ between a saved state and the pipeline restoring it: the
 # curriculum's data keys plus the batch and host layout (the mesh may change between stages).
-STAGE_KEYS = config_lib.DATA_STAGE_KEYS + ("batch_size", "process_index", "process_count")
+STAGE_KEYS = config_lib.DATA_STAGE_KEYS + ("batch_size", "process_index", "process_count",
+                                           "max_unusable_records", "max_unusable_seconds")
 # Values of stage keys that states saved before the key existed stand for.
-_STAGE_KEY_DEFAULTS = {"long_doc_weight": 1.0}
+_STAGE_KEY_DEFAULTS = {"long_doc_weight": 1.0,
+                       "max_unusable_records": sources_lib.MAX_UNUSABLE_RECORDS,
+                       "max_unusable_seconds": sources_lib.MAX_UNUSABLE_SECONDS}
+# The same for keys that must match on restore: states saved before the held-out split existed
+# were read without one.
+_FIXED_KEY_DEFAULTS = {"heldout_fraction": 0.0}
+
+
+def _saved_config(state: Mapping[str, Any]) -> dict:
+  """The pipeline config stored in an iterator state, with defaults for keys it predates."""
+  return {**_FIXED_KEY_DEFAULTS, **_to_json_types(state.get("config", {}))}
 
 
 def _vision_cfg(v) -> tuple[vision_lib.VisionConfig, bool, int, int]:
@@ -452,6 +516,11 @@ def pipeline_config(data_cfg, *, batch_size: int, seed: int, process_index: int,
       "num_workers": int(_get(data_cfg, "num_workers", 0) or 0),
       "num_threads": int(_get(data_cfg, "num_threads", 1) or 0),
       "long_doc_weight": float(_get(data_cfg, "long_doc_weight", 1.0)),
+      "heldout_fraction": float(_get(data_cfg, "heldout_fraction", 0.0) or 0.0),
+      "max_unusable_records": int(_get(data_cfg, "max_unusable_records",
+                                       sources_lib.MAX_UNUSABLE_RECORDS)),
+      "max_unusable_seconds": float(_get(data_cfg, "max_unusable_seconds",
+                                         sources_lib.MAX_UNUSABLE_SECONDS)),
       "vision": _to_json_types(dict(v)) if v is not None else None,
       "batch_size": batch_size,
       "seed": seed,
@@ -484,6 +553,8 @@ def _check(config: dict) -> None:
                      f"positive, got {weights}")
   if not config.get("long_doc_weight", 1.0) >= 1.0:
     raise ValueError(f"data.long_doc_weight must be >= 1, got {config['long_doc_weight']}")
+  if not 0 <= config.get("heldout_fraction", 0.0) < 1:
+    raise ValueError(f"data.heldout_fraction must lie in [0, 1), got {config['heldout_fraction']}")
 
 
 def _build(config: dict, reader_init: Mapping[str, dict] | None) -> tuple[grain.IterDataset, dict]:
@@ -499,6 +570,7 @@ def _build(config: dict, reader_init: Mapping[str, dict] | None) -> tuple[grain.
   tok = tokenizer_lib.load_tokenizer(config["tokenizer"])
   encoder = documents.DocumentEncoder(tok, vcfg if with_vision else None, budget)
   read_options = grain.ReadOptions(num_threads=config["num_threads"], prefetch_buffer_size=_PREFETCH)
+  heldout = float(config.get("heldout_fraction", 0.0))
   readers, idle = {}, {}
   for slot, spec in enumerate(specs):
     state = (reader_init or {}).get(spec) or initial_reader_state(config["process_index"],
@@ -514,11 +586,17 @@ def _build(config: dict, reader_init: Mapping[str, dict] | None) -> tuple[grain.
     if len(source) < config["process_count"]:
       raise ValueError(f"source {spec!r} has {len(source)} documents, fewer than "
                        f"process_count={config['process_count']}")
+    if heldout > 0 and spec not in sources_lib.RETRIEVAL_SOURCES:
+      source = _KeepPositions(split_lib.SplitSource(source, heldout, "train"))
     stream = source_stream(source, stream_seed)
     readers[spec] = _ReaderDataset(slot=slot, num_slots=len(specs), stream=stream, encoder=encoder,
                                    budget=budget, with_vision=with_vision, read_options=read_options,
                                    mp_workers=config["num_workers"], state=state,
-                                   long_doc_weight=config.get("long_doc_weight", 1.0),
+                                   long_doc_weight=config.get("long_doc_weight", 1.0), spec=spec,
+                                   max_unusable_records=config.get("max_unusable_records",
+                                                                   sources_lib.MAX_UNUSABLE_RECORDS),
+                                   max_unusable_seconds=config.get("max_unusable_seconds",
+                                                                   sources_lib.MAX_UNUSABLE_SECONDS),
                                    coin_seed=_seed(stream_seed, 1))
   mixed = grain.IterDataset.mix(readers, {s: w for s, w in zip(specs, weights) if w > 0})  # also for one source:
   # the state layout (mix → {spec: reader}) is then the same for every pipeline.
@@ -591,7 +669,7 @@ class DataIterator(grain.DatasetIterator):
       keys = list(state)[:5] if isinstance(state, Mapping) else None
       raise ValueError("iterator state must be a dict from DataIterator.get_state() (or "
                        f"{{'hosts': [...]}}), got {type(state).__name__} with keys {keys}")
-    saved = _to_json_types(state.get("config", {}))
+    saved = _saved_config(state)
     fixed = {k: v for k, v in saved.items() if k not in STAGE_KEYS}
     mine = {k: v for k, v in self._config.items() if k not in STAGE_KEYS}
     if fixed != mine:
@@ -607,7 +685,8 @@ class DataIterator(grain.DatasetIterator):
                          f"of {self._config['process_count']} needs all hosts' states: "
                          "set_state({'hosts': [state of host 0, ...]})")
     if all(saved.get(k, _STAGE_KEY_DEFAULTS.get(k)) == self._config[k]
-           for k in STAGE_KEYS if k not in ("num_workers", "num_threads")):
+           for k in STAGE_KEYS if k not in ("num_workers", "num_threads", "max_unusable_records",
+                                            "max_unusable_seconds")):
       self._it.set_state(copy.deepcopy(state["grain"]))   # Exact continuation.
       self._idle = copy.deepcopy(dict(state.get("idle", {})))
     else:
@@ -623,8 +702,8 @@ class DataIterator(grain.DatasetIterator):
     n_new, q = self._config["process_count"], self._config["process_index"]
     per_source = [reader_states(s) for s in host_states]
     for s in host_states:  # Check compatibility (and anything but the layout) once per host.
-      probe = dict(s, config=dict(s["config"], process_index=0, process_count=1))
-      saved = {k: v for k, v in probe["config"].items() if k not in STAGE_KEYS}
+      probe = dict(_saved_config(s), process_index=0, process_count=1)
+      saved = {k: v for k, v in probe.items() if k not in STAGE_KEYS}
       mine = {k: v for k, v in self._config.items() if k not in STAGE_KEYS}
       if saved != mine:
         raise ValueError("host states were saved by a different pipeline; cannot reshard")

@@ -216,6 +216,27 @@ def python_stdlib_documents(*, root: str | None = None,
 #   BadRecord(reason, message)            a record that could not be parsed; counted, skipped
 
 
+# A source that yields no usable document (every record malformed, empty or skipped) fails after
+# this many records in a row, or this many seconds (data.max_unusable_records /
+# data.max_unusable_seconds), instead of waiting forever.
+MAX_UNUSABLE_RECORDS = 10_000
+MAX_UNUSABLE_SECONDS = 300.0
+# Set by the train loop's SIGTERM / SIGINT handler: a reader waiting for a usable document
+# stops waiting (NoUsableDocumentsError) instead of holding the signal off.
+STOP_WAITING = threading.Event()
+
+
+class NoUsableDocumentsError(ValueError):
+  """A source read many records in a row without one usable document (or the wait was
+  interrupted by a signal)."""
+
+
+def skip_summary(counts: dict[str, int]) -> str:
+  """'bad_record 812, empty 3' from {reason: count} (zero counts left out)."""
+  shown = [f"{reason} {n}" for reason, n in counts.items() if n]
+  return ", ".join(shown) if shown else "none"
+
+
 class BadRecord:
   """A source item that could not be parsed; the pipeline counts it under `reason`."""
 

@@ -4,12 +4,20 @@ Each checkpoint holds three items: `state` (step, parameters, optimizer state, r
 other model variables, as a flat {path: array} dict), `data_iter` (the grain iterator state,
 JSON) and `config` (the config that produced it, JSON). Orbax writes into a temporary folder and
 renames it when complete, so an interrupted save never damages an earlier checkpoint.
+
+Damage from outside (a truncated or deleted file, unparsable metadata, an empty step folder) is
+found before use: `latest_step()` checks the newest checkpoints' items and metadata, `restore()`
+reads the arrays; a damaged checkpoint is moved aside to `<step>.damaged` with a one-line
+reason and the next older intact one is used. When none is intact, `NoIntactCheckpointError`
+lists what was tried. Folders that are not checkpoints are ignored with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 from typing import Any
 
 import jax
@@ -22,11 +30,41 @@ from k3train.tree_paths import path_names
 # Config sections that must match between a checkpoint and the run that restores it, and the
 # keys inside them that may change between curriculum stages.
 MUST_MATCH = ("model", "data")
-MAY_CHANGE = tuple(f"data.{key}" for key in config_lib.DATA_STAGE_KEYS)
+MAY_CHANGE = tuple(f"data.{key}" for key in config_lib.DATA_STAGE_KEYS) + (
+    "data.max_unusable_records", "data.max_unusable_seconds")
+
+
+ITEMS = ("state", "data_iter", "config")
+DAMAGED_SUFFIX = ".damaged"
 
 
 class CheckpointMismatchError(ValueError):
   """The checkpoint in the workdir was written by an incompatible config or model."""
+
+
+class NoIntactCheckpointError(RuntimeError):
+  """Every checkpoint in the directory is damaged (each was moved aside)."""
+
+
+class _Damaged(Exception):
+  """A checkpoint that cannot be read; the message is the one-line reason."""
+
+
+def _one_line(e: BaseException, limit: int = 200) -> str:
+  text = " ".join(str(e).split())
+  text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def summarise_keys(keys, limit: int = 4) -> str:
+  """A few lines' worth of a long list of state keys: counts per two-part prefix."""
+  groups: dict[str, int] = {}
+  for k in keys:
+    prefix = ".".join(k.split(".")[:2])
+    groups[prefix] = groups.get(prefix, 0) + 1
+  shown = [f"{p} ({n})" for p, n in sorted(groups.items())[:limit]]
+  more = len(groups) - limit
+  return ", ".join(shown) + (f", and {more} more groups" if more > 0 else "")
 
 
 def flatten_state(tree) -> dict[str, Any]:
@@ -37,16 +75,22 @@ def flatten_state(tree) -> dict[str, Any]:
   return flat
 
 
+def check_keys(saved_keys, keys) -> None:
+  """Refuses a checkpoint whose state entries differ from the run's (e.g. another optimizer)."""
+  missing = [k for k in keys if k not in set(saved_keys)]
+  extra = sorted(set(saved_keys) - set(keys))
+  if missing or extra:
+    raise CheckpointMismatchError(
+        f"checkpoint does not match this run's state: {len(missing)} entries missing "
+        f"[{summarise_keys(missing)}], {len(extra)} unexpected [{summarise_keys(extra)}]; was it "
+        "written with another model or optimizer config (optim.optimizer)? Use a new --workdir.")
+
+
 def unflatten_state(flat: dict[str, Any], like):
   """Inverse of `flatten_state` onto the structure of `like`."""
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(like)
   keys = [".".join(path_names(p)) or "root" for p, _ in leaves_with_path]
-  missing = [k for k in keys if k not in flat]
-  extra = sorted(set(flat) - set(keys))
-  if missing or extra:
-    raise CheckpointMismatchError(
-        f"checkpoint does not match the model: {len(missing)} missing entries (e.g. {missing[:3]}), "
-        f"{len(extra)} unexpected (e.g. {extra[:3]}); was it written with another model config?")
+  check_keys(list(flat), keys)
   return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in keys])
 
 
@@ -75,11 +119,95 @@ class Checkpointer:
         max_to_keep=cfg.checkpoint.max_to_keep,
         enable_async_checkpointing=cfg.checkpoint.async_save,
         create=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "data_iter", "config"))
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    self.tried: list[str] = []          # "step N: reason" of every checkpoint moved aside
+    self.restored_step: int | None = None
+    self._checked: set[int] = set()
+    self._warned: set[str] = set()
+
+  def _say(self, msg: str) -> None:
+    if jax.process_index() == 0:
+      print(msg, file=sys.stderr, flush=True)
+
+  def _warn_strays(self) -> None:
+    """Warns once about each folder that is neither a step nor a moved-aside or in-flight one."""
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return
+    for name in sorted(names):
+      if (name.isdigit() or name.endswith(DAMAGED_SUFFIX) or ".orbax-checkpoint-tmp" in name
+          or name in self._warned or not os.path.isdir(os.path.join(self.directory, name))):
+        continue
+      self._warned.add(name)
+      self._say(f"warning: ignoring {os.path.join(self.directory, name)}: not a checkpoint "
+                "(checkpoint folders are named by their step)")
+
+  def _move_aside(self, step: int, reason: str) -> None:
+    src = os.path.join(self.directory, str(step))
+    dst = src + DAMAGED_SUFFIX
+    n = 1
+    while os.path.exists(dst):
+      n += 1
+      dst = f"{src}{DAMAGED_SUFFIX}.{n}"
+    if jax.process_index() == 0:
+      os.rename(src, dst)
+    self.tried.append(f"step {step}: {reason}")
+    self._say(f"warning: checkpoint at step {step} is damaged ({reason}); moved to {dst}")
+    self.manager.reload()
+
+  def check_intact(self, step: int) -> None:
+    """Raises _Damaged unless every item is present and the metadata and JSON items parse (the
+    arrays themselves are read by `restore`)."""
+    path = os.path.join(self.directory, str(step))
+    for item in ITEMS:
+      if not os.path.isdir(os.path.join(path, item)):
+        raise _Damaged(f"item {item!r} is missing")
+    for item in ("config", "data_iter"):
+      try:
+        self.manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
+      except Exception as e:   # orbax raises many kinds for one unreadable file
+        raise _Damaged(f"{item}/metadata is unreadable ({_one_line(e)})") from None
+    if not self.state_keys(step):
+      raise _Damaged("state holds no arrays")
+
+  def state_keys(self, step: int) -> list[str]:
+    """The names of the arrays saved in `step`'s state (read from its metadata)."""
+    from etils import epath
+    try:
+      meta = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+      return list(meta.keys())
+    except Exception as e:
+      raise _Damaged(f"state metadata is unreadable ({_one_line(e)})") from None
 
   def latest_step(self) -> int | None:
-    return self.manager.latest_step()
+    """The newest step whose items and metadata are intact; damaged newer ones are moved aside.
+    Raises NoIntactCheckpointError when checkpoints (or moved-aside ones) exist but none is
+    intact, rather than silently starting over."""
+    self._warn_strays()
+    while True:
+      step = self.manager.latest_step()
+      if step is None:
+        break
+      if step in self._checked:
+        return step
+      try:
+        self.check_intact(step)
+      except _Damaged as e:
+        self._move_aside(step, str(e))
+        continue
+      self._checked.add(step)
+      return step
+    if self.tried or any(n.endswith(DAMAGED_SUFFIX) or re.search(r"\.damaged\.\d+$", n)
+                         for n in os.listdir(self.directory)):
+      self._no_intact()
+    return None
+
+  def _no_intact(self):
+    tried = "; ".join(self.tried) if self.tried else "earlier runs moved them aside"
+    raise NoIntactCheckpointError(
+        f"no intact checkpoint in {self.directory} (tried: {tried}); the damaged ones are kept as "
+        f"<step>{DAMAGED_SUFFIX}. Remove them to start over, or use a new --workdir.")
 
   def use_config(self, cfg: ml_collections.ConfigDict) -> None:
     """The config saved with later checkpoints and checked on restore (a curriculum stage's)."""
@@ -99,17 +227,41 @@ class Checkpointer:
              for d in _config_diff(saved.get(section, {}), current.get(section, {}), section + ".")
              if d.split(":", 1)[0] not in MAY_CHANGE]
     if diffs:
+      shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
       raise CheckpointMismatchError(
-          f"the checkpoint at {self.directory} (step {step}) was written with a different config:\n  "
-          + "\n  ".join(diffs) + "\nUse a new --workdir, or restore the original config values.")
+          f"the checkpoint at {self.directory} (step {step}) was written with a different config: "
+          f"{shown}. Use a new --workdir, or restore the original config values.")
 
-  def restore(self, step: int, like_state):
-    """(state, data_state) at `step`; `like_state` gives the structure, shapes and shardings."""
-    self.check_config(step)
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, flatten_state(like_state))
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data_iter=ocp.args.JsonRestore()))
-    return unflatten_state(dict(restored["state"]), like_state), restored["data_iter"]
+  def restore(self, step: int, like_state, *, earliest: int = 0):
+    """(state, data_state) at `step`; `like_state` gives the structure, shapes and shardings.
+
+    When `step` turns out damaged it is moved aside and the next older intact checkpoint (not
+    older than `earliest`) is restored instead; `restored_step` says which one was."""
+    while True:
+      try:
+        self.check_intact(step)
+        self.check_config(step)
+        flat_like = flatten_state(like_state)
+        check_keys(self.state_keys(step), list(flat_like))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, flat_like)
+        try:
+          restored = self.manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract), data_iter=ocp.args.JsonRestore()))
+        except Exception as e:   # a truncated, corrupted or deleted array file
+          raise _Damaged(f"arrays are unreadable ({_one_line(e)})") from None
+      except _Damaged as e:
+        self._move_aside(step, str(e))
+        older = self.latest_step()
+        if older is None:
+          self._no_intact()
+        if older < earliest:
+          raise NoIntactCheckpointError(
+              f"checkpoint at step {step} is damaged and the newest intact one (step {older}) "
+              f"belongs to an earlier curriculum stage; run again to continue from step {older}")
+        step = older
+        continue
+      self.restored_step = step
+      return unflatten_state(dict(restored["state"]), like_state), restored["data_iter"]
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

@@ -8,7 +8,27 @@ With train.use_stages the loop runs the curriculum's stages one after the other 
 (k3train/train/curriculum.py): each stage is built, restored from the checkpoint its predecessor
 ended with, trained to its end, evaluated and checkpointed. Progress lines and every
 metrics.jsonl row name the stage. Evals (k3train/train/evals.py; every eval.every_steps steps and,
-in a curriculum, at each stage's end) append one row each to eval_metrics.jsonl.
+in a curriculum, at each stage's end) write one row each to eval_metrics.jsonl.
+
+Metrics go through k3train/train/writers.py (JSONL files, TensorBoard, W&B; process 0 only). Each
+step's row holds the step's own scalars (loss, gradient norms, loss tokens, ...) and:
+
+  step_time_s    from the end of the previous step to the end of this one: the time between two
+                 consecutive reads of step metrics, less the time spent in between on compiling
+                 the step, saving checkpoints and evaluating (a stage's first step counts from
+                 when its first batch is ready)
+  compile_s      (the stage's first step) the first dispatch: tracing and compiling the step
+  checkpoint_save_s  (the step after a periodic checkpoint) time the save blocked the loop
+  tokens_per_s   the step's loss tokens / step_time_s
+  mfu            tokens_per_s × training FLOPs per token / (train.peak_flops_per_device × devices)
+  lr             the learning rate the optimizer applied: the schedule it was built with (the
+                 stage config's) at its update count (steps so far less skipped updates)
+  data/skipped/<source>[/<reason>]  documents and media items the pipeline skipped, cumulative
+  padding_fraction, long_doc_share (curriculum), stage and seq_len labels (curriculum)
+
+and every metrics.vectors_every steps vectors.jsonl gets `moe_load` [MoE layers, experts] (rows
+labelled with their 1-based layer numbers). Long waits (building, opening the data, restoring,
+the first compile, checkpoint saves, the final wait for checkpoint writes) print progress lines.
 """
 
 from __future__ import annotations
@@ -28,16 +48,20 @@ import numpy as np
 
 from k3train import config as config_lib
 from k3train.data import pipeline
+from k3train.data import sources as sources_lib
 from k3train.parallel import mesh as mesh_lib
 from k3train.train import builder
 from k3train.train import curriculum
+from k3train.train.checkpoint import config_to_json
 from k3train.train import evals
 from k3train.train import metrics as metrics_lib
+from k3train.train import writers as writers_lib
+from k3train.optim.optimizer import learning_rate_schedule
 from k3train.train.checkpoint import Checkpointer, flatten_state
 from k3train.train.step import NONFINITE_GROUPS
 
 
-EVAL_METRICS = "eval_metrics.jsonl"   # one row per eval (metrics.jsonl: one row per step)
+EVAL_METRICS = writers_lib.STREAM_FILES["eval"]   # one row per eval (metrics.jsonl: one per step)
 
 
 class NonFiniteError(FloatingPointError):
@@ -71,6 +95,7 @@ class _StopFlag:
     self._previous = {}
 
   def __enter__(self):
+    sources_lib.STOP_WAITING.clear()
     for sig in (signal.SIGTERM, signal.SIGINT):
       try:
         self._previous[sig] = signal.signal(sig, self._handle)
@@ -80,6 +105,7 @@ class _StopFlag:
 
   def _handle(self, signum, frame):
     self.signum = signum
+    sources_lib.STOP_WAITING.set()   # a source waiting for a usable document gives up
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
@@ -163,6 +189,74 @@ def params_fingerprint(params) -> float:
                                      for x in jax.tree.leaves(p)))(params))
 
 
+class _StepMeter:
+  """Step times between consecutive reads of step metrics, less excluded work (module docstring)."""
+
+  def __init__(self, clock=time.perf_counter):
+    self._clock = clock
+    self._last = None
+    self._excluded = 0.0
+
+  def start(self) -> None:
+    """Starts the first step's clock (once)."""
+    if self._last is None:
+      self._last = self._clock()
+
+  def exclude(self, seconds: float) -> None:
+    """Time spent before the next read on something that is not a step."""
+    self._excluded += seconds
+
+  def lap(self) -> float:
+    """Seconds since the previous read (or the start), less what was excluded; call on a read."""
+    now = self._clock()
+    seconds = math.nan if self._last is None else now - self._last - self._excluded
+    self._last, self._excluded = now, 0.0
+    return seconds
+
+
+class _LearningRates:
+  """An optax schedule at integer update counts, evaluated on the host a block of counts at a time
+  (one small computation per block instead of one per step)."""
+
+  BLOCK = 1024
+
+  def __init__(self, schedule):
+    self.schedule = schedule
+    self._first = None
+    self._values = None
+
+  def __call__(self, count: int) -> float:
+    first = count - count % self.BLOCK
+    if first != self._first:
+      counts = np.arange(first, first + self.BLOCK, dtype=np.int32)
+      self._values = np.asarray(jax.device_get(self.schedule(counts)), np.float64)
+      self._first = first
+    return float(self._values[count - first])
+
+
+def _data_scalars(data, host_batch, data_cfg, staged: bool) -> dict:
+  """The data pipeline's scalars for the step that trains on `host_batch` (taken right after it
+  was read): padding share, long-document share (curriculum), and per source with a positive
+  weight (or anything skipped) the cumulative skip count, per reason once one occurs."""
+  row = {"padding_fraction": pipeline.padding_fraction(host_batch)}
+  if staged:
+    row["long_doc_share"] = data.long_doc_share
+  counters = data.metrics()
+  for spec, weight in zip(data_cfg.sources, data_cfg.weights):
+    counts = {r: counters.get(f"errors/{spec}/{r}", 0.0) for r in pipeline.REASONS}
+    total = float(sum(counts.values()))
+    if weight > 0 or total:
+      row[f"data/skipped/{spec}"] = total
+      row.update({f"data/skipped/{spec}/{r}": n for r, n in counts.items() if n})
+  return row
+
+
+def moe_layer_numbers(model_cfg) -> list[int]:
+  """The 1-based numbers of the MoE layers, in layer order: the rows of the `moe_load` metric."""
+  return [i + 1 for i, (_, ffn) in enumerate(config_lib.layer_schedule(model_cfg).kinds)
+          if ffn == "moe"]
+
+
 def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | None = None,
           preflight: curriculum.Preflight | None = None) -> RunResult:
   """Trains to `cfg.train.steps` (or `stop_at_step`, to simulate an interruption).
@@ -187,7 +281,6 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
         f"{process_count} processes")
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), run_stages[0].cfg)
   result = RunResult(start_step=0, end_step=0)
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
   with _StopFlag() as stop, _closing(ckpt):
     start = ckpt.latest_step() or 0
     result.start_step = result.end_step = start
@@ -204,13 +297,17 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
       if preflight is not None:
         preflight(todo)
     step = start
-    with open(metrics_path, "a") as fh:
+    wandb_config = config_to_json(cfg) if cfg.metrics.wandb else None
+    with writers_lib.open_writers(workdir, cfg.metrics, process_index=jax.process_index(),
+                                  config=wandb_config) as fh:
       for stage in todo:
         step = _train_stage(stage, run_stages, step, end, ckpt, fh, stop, result,
                             staged=staged, resumed=(stage is todo[0] and start > 0),
                             first_built=stage is todo[0])
         if result.stopped_by_signal or step >= end:
           break
+      with writers_lib.progress("waiting for the checkpoint writes to finish", _log):
+        ckpt.wait()
   result.end_step = step
   _log(f"done at step {step}; checkpoints in {ckpt.directory}; parameter fingerprint "
        f"{result.fingerprint:.9e}")
@@ -235,7 +332,9 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
   if staged:
     _log(f"{tag}: building for steps {stage.start_step:,}–{stage.end_step:,} at seq_len "
          f"{cfg.data.seq_len:,} ({flops_per_token:.3g} training FLOPs per token)")
-  run = builder.build(cfg, log=_log if first_built else None)
+  with writers_lib.progress("building the model, optimizer state and train step"
+                            + (f" of {tag}" if staged else ""), _log):
+    run = builder.build(cfg, log=_log if first_built else None)
   layout, state, train_step = run.layout, run.state, run.step
   _log(f"mesh: {mesh_lib.describe(dict(layout.mesh.shape))} over {jax.device_count()} devices "
        f"({process_count} processes); rules: {cfg.parallel.rules}")
@@ -244,11 +343,17 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
          f"micro-batches of {t.global_batch_size // t.microbatches} rows (gradient accumulation)")
   shell = dataclasses.replace(run, state=None)   # layout, shardings, graphdef: for the evals
   del run
-  data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size // process_count,
-                                     seed=t.seed, process_index=process_index, process_count=process_count)
+  with writers_lib.progress("opening the data pipeline", _log):
+    data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size // process_count,
+                                       seed=t.seed, process_index=process_index,
+                                       process_count=process_count)
   ckpt.use_config(cfg)
   if start:
-    state, data_state = ckpt.restore(start, state)
+    with writers_lib.progress(f"restoring the checkpoint at step {start}", _log):
+      state, data_state = ckpt.restore(start, state, earliest=stage.start_step if staged else 0)
+    if ckpt.restored_step != start:   # `start` was damaged (moved aside): an older one was used
+      start = ckpt.restored_step
+      result.start_step = min(result.start_step, start)
     _restore_data_state(data, data_state)
     if resumed:
       _log(f"resumed from {ckpt.directory} at step {start}" + (f" in {tag}" if staged else "")
@@ -259,57 +364,87 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
   tokens_per_step = t.global_batch_size * cfg.data.seq_len
   last_saved = start
   evaluator = None
-  window = {"start": time.perf_counter(), "steps": 0}
   extra_keys = {"stage": stage.name, "seq_len": cfg.data.seq_len} if staged else {}
-  eval_path = os.path.join(os.path.dirname(fh.name), EVAL_METRICS)
+  # The learning rate of update k is the schedule the optimizer was built with (from this stage's
+  # config, as builder.build made it) at k; a skipped update does not advance the count.
+  learning_rate = _LearningRates(learning_rate_schedule(cfg.optim, t.steps))
+  updates_skipped = int(np.asarray(state.skipped.addressable_data(0))) if start else 0
+  moe_rows = moe_layer_numbers(cfg.model)
+  meter = _StepMeter()
+  window = {"steps": 0, "seconds": 0.0, "tokens": 0.0}   # since the last progress line
+  carried = {}    # timings of work between two steps, reported in the next step's row
 
-  def record(step: int, device_metrics, pad_fraction: float, long_share: float) -> None:
-    """Reads one finished step's metrics (one step late), checks them, appends and logs them."""
+  def record(step: int, device_metrics, moe_load, data_row: dict, timings: dict) -> None:
+    """Reads one finished step's metrics (one step late), checks them, writes and logs them."""
+    nonlocal updates_skipped
     host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
-    host["padding_fraction"] = pad_fraction
-    if staged:
-      host["long_doc_share"] = long_share
+    seconds = meter.lap()
     _check_finite(step, host, lambda: list(flatten_state(state)))
+    host.update(data_row)
+    host["lr"] = learning_rate(step - 1 - updates_skipped)
+    updates_skipped += int(host.get("skipped_update", 0) > 0)
+    host["step_time_s"] = seconds
+    host["tokens_per_s"] = host["tokens"] / seconds if seconds > 0 else math.nan
+    host["mfu"] = metrics_lib.mfu(host["tokens_per_s"], flops_per_token, t.peak_flops_per_device,
+                                  jax.device_count())
+    host.update(timings)
     result.losses[step] = host["loss"]
     if staged and step == stage.start_step + 1:
       result.stage_first_losses[stage.name] = host["loss"]
-    if jax.process_index() == 0:
-      fh.write(json.dumps({"step": step, **extra_keys, **host}) + "\n")
-      fh.flush()
+    fh.scalars(step, {**extra_keys, **host})
+    if moe_load is not None and fh.wants_vectors(step):
+      load = np.asarray(jax.device_get(moe_load), np.float64)
+      fh.vectors(step, {"moe_load": load},
+                 rows={"moe_load": moe_rows} if len(moe_rows) == load.shape[0] else None)
+    if math.isfinite(seconds) and seconds > 0:
+      window["steps"] += 1
+      window["seconds"] += seconds
+      window["tokens"] += host["tokens"]
     if host.get("skipped_update", 0) > 0:
       _log(f"step {step}: loss {host['loss']:.4f} exceeded {cfg.optim.loss_spike_factor}x its running "
            "mean; the update was skipped (optim.loss_spike_factor)")
     if step % t.log_every and step != start + 1:
       return
-    elapsed = time.perf_counter() - window["start"]
-    tps = window["steps"] * tokens_per_step / elapsed if elapsed > 0 and window["steps"] else float("nan")
+    elapsed = window["seconds"]
+    tps = window["tokens"] / elapsed if elapsed > 0 else math.nan            # loss tokens
+    steps_per_s = window["steps"] / elapsed if elapsed > 0 else math.nan
     left = curriculum.remaining_tokens(run_stages, step, end) if staged else (end - step) * tokens_per_step
-    eta = left / tps if tps > 0 else float("nan")
+    eta = left / (steps_per_s * tokens_per_step) if steps_per_s > 0 else math.nan
     mfu = metrics_lib.mfu(tps, flops_per_token, t.peak_flops_per_device, jax.device_count())
     extra = "".join(f" | {k} {host[k]:.3g}" for k in ("moe_max_load", "mla_max_logit", "qk_clip_heads")
                     if k in host)
-    where = f" | {tag} | long docs {100 * long_share:.0f}%" if staged else ""
+    where = f" | {tag} | long docs {100 * host['long_doc_share']:.0f}%" if staged else ""
     _log(f"step {step}/{end}{where} | loss {host['loss']:.4f} | grad_norm {host['grad_norm']:.3g} | "
-         f"tok/s {tps:,.0f} | MFU {100 * mfu:.2f}% | ETA {metrics_lib.format_eta(eta)}{extra}")
-    window["start"], window["steps"] = time.perf_counter(), 0
+         f"lr {host['lr']:.3g} | tok/s {tps:,.0f} | MFU {100 * mfu:.2f}% | "
+         f"ETA {metrics_lib.format_eta(eta)}{extra}")
+    window.update(steps=0, seconds=0.0, tokens=0.0)
 
   def evaluate(step: int) -> None:
     nonlocal evaluator
+    t0 = time.perf_counter()
     if evaluator is None:
       evaluator = evals.Evaluator(cfg, shell)
-    t0 = time.perf_counter()
     host = evaluator(state)
-    if jax.process_index() == 0:
-      with open(eval_path, "a") as eval_fh:
-        eval_fh.write(json.dumps({"step": step, **extra_keys, **host}) + "\n")
+    seconds = time.perf_counter() - t0
+    meter.exclude(seconds)
+    fh.scalars(step, {**extra_keys, **host}, stream="eval")
     result.evals[step] = host
     shown = " | ".join(f"{k.removeprefix('eval/')} {v:.3g}" for k, v in host.items()
                        if k == "eval/loss" or k.startswith("eval/loss_by_pos/")
                        or k.startswith("eval/retrieval/"))
     _log(f"eval at step {step}" + (f" ({tag}, seq_len {cfg.data.seq_len:,})" if staged else "")
-         + f" in {time.perf_counter() - t0:.1f}s: {shown}")
+         + f" in {seconds:.1f}s: {shown}")
 
-  pending = None   # (step, device metrics, padding fraction, long share) of the step in flight
+  def save(step: int, *, force: bool = False) -> float:
+    """Saves a checkpoint (the write goes on in the background); returns the seconds it blocked."""
+    fh.flush()
+    t0 = time.perf_counter()
+    with writers_lib.progress(f"saving the checkpoint at step {step}", _log):
+      ckpt.save(step, state, _all_hosts_data_state(data), force=force)
+    return time.perf_counter() - t0
+
+  pending = None   # (step, device metrics, moe load, data scalars, timings) of the step in flight
+  compiled = False
   step = start
   while step < stage_end:
     if stop.signum is not None:
@@ -317,12 +452,24 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
       _log(f"received signal {stop.signum}: saving a checkpoint at step {step} and exiting")
       break
     host_batch = next(data)
-    pad_fraction = pipeline.padding_fraction(host_batch)
-    state, step_metrics = train_step(state, layout.global_batch(host_batch))
+    data_row = _data_scalars(data, host_batch, cfg.data, staged)
+    meter.start()
+    batch = layout.global_batch(host_batch)
+    timings, carried = carried, {}
+    if compiled:
+      state, step_metrics = train_step(state, batch)
+    else:
+      t0 = time.perf_counter()
+      with writers_lib.progress("compiling the train step" + (f" of {tag}" if staged else ""), _log):
+        state, step_metrics = train_step(state, batch)
+      timings["compile_s"] = time.perf_counter() - t0
+      meter.exclude(timings["compile_s"])
+      compiled = True
+    step_metrics = dict(step_metrics)
+    moe_load = step_metrics.pop("moe_load", None)        # [MoE layers, E]: a vector, not a scalar
     if pending is not None:
       record(*pending)
-    pending = (step + 1, step_metrics, pad_fraction, data.long_doc_share)
-    window["steps"] += 1
+    pending = (step + 1, step_metrics, moe_load, data_row, timings)
     step += 1
     if staged and step == stage.start_step + 1:
       record(*pending)     # the stage's first step, read at once: finite?
@@ -337,14 +484,17 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
       if pending is not None:
         record(*pending)   # never checkpoint a non-finite state
         pending = None
-      ckpt.save(step, state, _all_hosts_data_state(data))
+      carried["checkpoint_save_s"] = save(step)
+      meter.exclude(carried["checkpoint_save_s"])
       last_saved = step
   if pending is not None:
     record(*pending)
   if step != last_saved:
-    ckpt.save(step, state, _all_hosts_data_state(data), force=True)
+    save(step, force=True)
+  fh.flush()
   if staged and step == stage.end_step and step < end and not result.stopped_by_signal:
-    ckpt.wait()
+    with writers_lib.progress(f"waiting for the checkpoint at step {step} to be written", _log):
+      ckpt.wait()
     seen = stage.start_tokens + (step - stage.start_step) * tokens_per_step
     _log(f"{tag} done at step {step:,} ({curriculum.tokens_label(seen)} tokens seen); "
          f"checkpoint at step {step} saved: end of stage")

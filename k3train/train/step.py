@@ -30,6 +30,7 @@ from k3train.parallel.state_sharding import VISION_BATCH_KEYS
 from k3train.model import moe
 from k3train.model.mla import MaxLogit
 from k3train.optim.qk_clip import qk_clip
+from k3train.tree_paths import path_names
 
 
 @jax.tree_util.register_dataclass
@@ -64,6 +65,75 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Arr
 def _collect(rest, variable_type):
   """All leaves of one variable type in `rest`, flattened to a list of arrays."""
   return jax.tree.leaves(rest.filter(variable_type))
+
+
+def per_layer(rest, variable_type):
+  """One variable type's per-layer values stacked in layer order: [layers holding it, ...]
+  (prefix layers, then the scanned super-blocks' layers, then the suffix); None when absent."""
+  rows = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(rest.filter(variable_type)):
+    names = path_names(path)
+    if names[0] == "stack":
+      rows += [((1, n, int(names[2])), leaf[n]) for n in range(leaf.shape[0])]
+    elif names[0] in ("prefix", "suffix"):
+      rows.append(((0 if names[0] == "prefix" else 2, int(names[1]), 0), leaf))
+  return jnp.stack([x for _, x in sorted(rows, key=lambda r: r[0])]) if rows else None
+
+
+# Parameter groups of the per-group gradient norms ("grad_norm/<group>"), decided from the
+# parameter's path: the embedding table and output head; each layer's mixer (KDA or MLA, told
+# apart by parameters only that kind has); in MoE layers the router, the routed experts with the
+# latent down / up projections and latent norm only they use, and the shared experts; the FFN of
+# dense layers; the vision tower and projector; everything else (norms, AttnRes queries).
+GRAD_GROUPS = ("embeddings", "kda", "mla", "router", "moe_experts", "moe_shared", "dense_ffn",
+               "vision", "other")
+_KDA_ONLY = frozenset({"A_log", "dt_bias", "f_a_proj", "f_b_proj", "b_proj"})
+_MLA_ONLY = frozenset({"q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"})
+
+
+def grad_groups(tree) -> list[str]:
+  """The group (GRAD_GROUPS) of every leaf of a parameter-shaped tree, in `jax.tree.leaves` order."""
+  paths = [tuple(path_names(p)) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+  def owner(names, module):
+    return names[:names.index(module) + 1]
+
+  mixer_kind, moe_ffns = {}, set()
+  for names in paths:
+    if "mixer" in names:
+      inside = set(names[names.index("mixer") + 1:])
+      if inside & _MLA_ONLY:
+        mixer_kind[owner(names, "mixer")] = "mla"
+      elif inside & _KDA_ONLY:
+        mixer_kind.setdefault(owner(names, "mixer"), "kda")
+    if "ffn" in names and {"experts", "router"} & set(names[names.index("ffn") + 1:]):
+      moe_ffns.add(owner(names, "ffn"))
+
+  def group(names):
+    if names[0] == "vision":
+      return "vision"
+    if names[0] in ("embed", "lm_head"):
+      return "embeddings"
+    if "mixer" in names:
+      return mixer_kind.get(owner(names, "mixer"), "other")
+    if "ffn" in names:
+      if owner(names, "ffn") not in moe_ffns:
+        return "dense_ffn"
+      part = names[names.index("ffn") + 1]
+      return {"router": "router", "shared": "moe_shared"}.get(part, "moe_experts")
+    return "other"
+
+  return [group(names) for names in paths]
+
+
+def grad_norms_by_group(grads) -> dict[str, jax.Array]:
+  """{"grad_norm/<group>": L2 norm of the group's gradients (fp32)} for every group that has
+  parameters; the squares sum to the global norm's square."""
+  squares = {}
+  for name, leaf in zip(grad_groups(grads), jax.tree.leaves(grads)):
+    sq = jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+    squares[name] = squares[name] + sq if name in squares else sq
+  return {f"grad_norm/{g}": jnp.sqrt(squares[g]) for g in GRAD_GROUPS if g in squares}
 
 
 def loss_mask_of(batch: dict, placeholder_id: int | None) -> jax.Array:
@@ -213,7 +283,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
       params, opt_state, rest = keep(params, state.params), keep(opt_state, state.opt_state), keep(rest, state.rest)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": n_tokens,
-               "skipped_update": skip.astype(jnp.float32), **clip_stats}
+               "skipped_update": skip.astype(jnp.float32), **clip_stats,
+               **grad_norms_by_group(grads)}
     if qat is not None:
       metrics["qat_active"] = qat_on.astype(jnp.float32)
     loads = _collect(rest, moe.ExpertLoad)
@@ -221,6 +292,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
       load_le = jnp.concatenate([l.reshape(-1, l.shape[-1]) for l in loads])  # [MoE layers, E]
       mean = jnp.maximum(jnp.mean(load_le, axis=-1, keepdims=True), 1e-9)
       metrics["moe_max_load"] = jnp.max(load_le / mean)  # worst layer's max/mean expert load
+      load_layers = per_layer(rest, moe.ExpertLoad)                  # [MoE layers, E], layer order
+      metrics["moe_load"] = load_layers / jnp.maximum(jnp.sum(load_layers, axis=-1, keepdims=True), 1e-9)
+      bias_layers = per_layer(rest, moe.RouterBias)                  # [MoE layers, E]
+      metrics["router_bias_spread"] = jnp.max(jnp.max(bias_layers, axis=-1) - jnp.min(bias_layers, axis=-1))
     logits_max = _collect(rest, MaxLogit)
     if logits_max:
       metrics["mla_max_logit"] = jnp.max(jnp.concatenate([x.reshape(-1) for x in logits_max]))

@@ -421,14 +421,15 @@ def _repack_halves(rhs_packed_gnh: jax.Array, tile_k: int) -> jax.Array:
 
 
 def _decode_e2m1_f32(nib: jax.Array) -> jax.Array:
-  """Nibbles (uint8, low 4 bits) → fp32 E2M1 values with elementwise selects only (kernel body
+  """Nibbles (integers, low 4 bits) → fp32 E2M1 values with elementwise selects only (kernel body
   arithmetic; no table, no variable shifts): magnitude index 2e + m → m/2 (e = 0), else
   2^(e−1)·(1 + m/2); bit 3 is the sign."""
-  e = ((nib >> 1) & 3).astype(jnp.float32)
-  m = (nib & 1).astype(jnp.float32)
+  n = nib.astype(jnp.int32)
+  e = ((n >> 1) & 3).astype(jnp.float32)
+  m = (n & 1).astype(jnp.float32)
   power = jnp.where(e == 3.0, 4.0, jnp.where(e == 2.0, 2.0, 1.0))
   mag = jnp.where(e == 0.0, 0.5 * m, power * (1.0 + 0.5 * m))
-  return jnp.where((nib & 8) != 0, -mag, mag)
+  return jnp.where((n & 8) != 0, -mag, mag)
 
 
 def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: jax.Array,
@@ -486,8 +487,7 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
             plgpu.BlockSpec((tile_m, half), lambda kk: (0, 2 * kk + 1), transforms=a_tf,
                             memory_space=plgpu.SMEM),
             plgpu.BlockSpec((cta_n, half), lambda kk: (0, kk), transforms=p_tf,
-                            memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((2, cta_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)],
+                            memory_space=plgpu.SMEM)],
         wg_axis="wg", num_compute_wgs=_NUM_COMPUTE_WGS, max_concurrent_steps=cfg.stages,
         compute_context=context)
 
@@ -499,12 +499,13 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(
-            lhs_view0, lhs_view0, packed_ref.at[0, pl.ds(0, cta_n), :],
-            scales_ref.at[0, :, pl.ds(0, cta_n)]),
+            lhs_view0, lhs_view0, packed_ref.at[0, pl.ds(0, cta_n), :]),
         out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_m, epi_n), dtype, transforms=out_tf),
         w_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_n, half), dtype, transforms=w_tf),
+        s_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_n), jnp.float32),
+        s_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=_NUM_COMPUTE_WGS),
         collective_axes="wg")
-    def scope(allocs, out_smem, w_smem):
+    def scope(allocs, out_smem, w_smem, s_smem, s_barrier):
       wg = lax.axis_index("wg")
 
       @plgpu.nd_loop((num_items * n_iters,), collective_axes="sm")
@@ -537,15 +538,26 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
             run_pipeline(acc_ref)
             store(acc_ref[...].astype(dtype))
 
-        def mma(_, a_lo, a_hi, p_smem, s_smem, acc_ref):
+        def mma(idx, a_lo, a_hi, p_smem, acc_ref):
+          (kk,) = idx
           own = pl.ds(wg * tile_n, tile_n)
-          p_nh = p_smem[own, :]                                    # uint8 [tile_n, 32]
-          for h, nib in enumerate((p_nh & 15, p_nh >> 4)):         # K-block 2kk, then 2kk + 1
+          if interpret:
+            p_nh = p_smem[own, :]                                  # uint8 [tile_n, 32]
+          else:            # the decode runs in the wgmma register layout, row scales broadcast
+            p_nh = plgpu.load(p_smem.at[own, :], (), layout=plgpu.Layout.WGMMA)
+          # This warpgroup's scale rows of K-blocks 2kk and 2kk + 1: fp32 [2, tile_n] by TMA.
+          plgpu.copy_gmem_to_smem(
+              scales_ref.at[jnp.minimum(gid, g - 1), pl.ds(2 * kk, 2), pl.ds(col0, tile_n)],
+              s_smem.at[wg], s_barrier.at[wg])
+          plgpu.barrier_wait(s_barrier.at[wg])
+          p_nh = p_nh.astype(jnp.int32)          # Mosaic GPU: no 8-bit arithmetic but bitwise
+          for h, nib in enumerate((p_nh & 15, (p_nh >> 4) & 15)):  # K-block 2kk, then 2kk + 1
             if interpret:   # the CPU interpreter has no layout-annotated loads (same values)
-              s_n = s_smem[h, own]
-            else:
-              s_n = plgpu.load(s_smem.at[h, own], (), layout=plgpu.Layout.WGMMA.reduce(1))
-            w_smem[wg, h] = (_decode_e2m1_f32(nib) * s_n[:, None]).astype(dtype)
+              s_n = s_smem[wg, h]
+            else:           # one scale per weight row, in the wgmma row layout
+              s_n = plgpu.load(s_smem.at[wg, h], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            scale_nh = lax.broadcast_in_dim(s_n, (tile_n, half), [0])
+            w_smem[wg, h] = (_decode_e2m1_f32(nib) * scale_nh).astype(dtype)
           plgpu.commit_smem()
           for h, a_smem in enumerate((a_lo, a_hi)):
             plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(w_smem.at[wg, h], (1, 0)))
@@ -558,7 +570,6 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
           lhs_view = lhs_ref.at[pl.ds(tstart, tile_m), :]
           pipeline(mma, context)(lhs_view, lhs_view,
                                  packed_ref.at[gid_c, pl.ds(ni * cta_n, cta_n), :],
-                                 scales_ref.at[gid_c, :, pl.ds(ni * cta_n, cta_n)],
                                  allocations=allocs)
 
         @pl.when((vsize > 0) & is_tail & (wg < _NUM_COMPUTE_WGS))

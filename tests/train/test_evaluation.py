@@ -157,3 +157,69 @@ def test_evaluate_equals_reference_loss(corpus):
   step = evaluation.make_loss_step(graphdef)
   same = evaluation.evaluate(lambda b: step(params, rest, b), data.batches)
   assert same == pytest.approx(out, rel=1e-6)
+
+
+# --- training never reads the held-out part ---------------------------------------------------
+
+
+def _pipeline_cfg(spec, fraction):
+  return ml_collections.ConfigDict({
+      "sources": (spec,), "weights": (1.0,), "tokenizer": "default", "seq_len": 64,
+      "shuffle_seed": 0, "num_workers": 0, "num_threads": 1, "long_doc_weight": 1.0,
+      "heldout_fraction": fraction, "vision": None})
+
+
+def _documents_read(batches, tok):
+  """The numbers of the corpus documents whose first piece (it starts "train document <i>:")
+  is in the batches."""
+  import re
+  seen = set()
+  for batch in batches:
+    for tokens, seg in zip(batch["tokens"], batch["segment_ids"]):
+      for k in range(1, int(seg.max()) + 1):
+        text = tok.decode([int(t) for t in tokens[seg == k]])
+        seen.update(int(m) for m in re.findall(r"train document (\d+):", text))
+  return seen
+
+
+def test_training_batches_never_hold_a_heldout_document(corpus):
+  from k3train.data import pipeline
+  from k3train.data import split
+  spec, _ = corpus
+  fraction, n_batches = 0.2, 60
+  source = sources_lib.make_source(spec)
+  ids = split.DocumentIds(source)
+  heldout = {i for i in range(DOCS) if split.is_heldout(ids(i), fraction)}
+  assert 0 < len(heldout) < DOCS
+  tok = tokenizer_lib.load_tokenizer("default")
+
+  it = pipeline.make_iterator(_pipeline_cfg(spec, fraction), batch_size=8, seed=0)
+  batches = [next(it) for _ in range(n_batches)]
+  seen = _documents_read(batches, tok)
+  # More than an epoch of the training part: every training document, no held-out one, and the
+  # held-out documents are not counted as skipped.
+  assert seen == set(range(DOCS)) - heldout
+  assert all(v == 0 for k, v in it.metrics().items() if k.startswith("errors/"))
+  # The same stream without the split reads held-out documents (the check above can fail).
+  plain = pipeline.make_iterator(_pipeline_cfg(spec, 0.0), batch_size=8, seed=0)
+  assert _documents_read([next(plain) for _ in range(n_batches)], tok) & heldout
+
+  # Stream positions count the held-out documents: a state saved mid-stream restores exactly.
+  again = pipeline.make_iterator(_pipeline_cfg(spec, fraction), batch_size=8, seed=0)
+  for _ in range(9):
+    next(again)
+  state = json.loads(json.dumps(again.get_state()))
+  resumed = pipeline.make_iterator(_pipeline_cfg(spec, fraction), batch_size=8, seed=0)
+  resumed.set_state(state)
+  for reference in batches[9:30]:
+    got = next(resumed)
+    for key in reference:
+      np.testing.assert_array_equal(got[key], reference[key], err_msg=key)
+  # The fraction defines the split: a state from another fraction is refused.
+  other = pipeline.make_iterator(_pipeline_cfg(spec, 0.1), batch_size=8, seed=0)
+  with pytest.raises(ValueError, match="heldout_fraction"):
+    other.set_state(state)
+  # A state saved before the split existed stands for fraction 0.
+  older = plain.get_state()
+  del older["config"]["heldout_fraction"]
+  pipeline.make_iterator(_pipeline_cfg(spec, 0.0), batch_size=8, seed=0).set_state(older)

@@ -28,6 +28,7 @@ def make_config():
   cfg = k3_tiny.get_config()
   cfg.train.steps = STEPS
   cfg.checkpoint.every_steps = EVERY
+  cfg.metrics.vectors_every = 10      # per-layer expert loads at steps 10, 20, 30
   return cfg
 
 
@@ -147,7 +148,7 @@ def test_sigterm_saves_a_checkpoint_and_the_cli_resumes_exactly(uninterrupted, t
     time.sleep(0.05)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=300)
-  assert proc.returncode == 0, out
+  assert proc.returncode == 143, out   # stopped by signal after saving
   assert "received signal" in out, out
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), make_config())
   stopped_at = ckpt.latest_step()
@@ -189,3 +190,57 @@ def test_checkpoint_config_check_allows_curriculum_stage_keys_only(tmp_path):
   other.data.sources = ("synthetic_text",)                 # another dataset: refused, named
   with pytest.raises(CheckpointMismatchError, match="data.sources"):
     Checkpointer(str(tmp_path), other).check_config(1)
+
+
+def test_tensorboard_equals_the_metrics_rows_and_the_report_renders(uninterrupted, tmp_path):
+  """The uninterrupted run's TensorBoard scalars equal its JSONL rows (the float32 rounding of
+  each value, the row's wall time to the microsecond); every step row carries the loop's meter,
+  the optimizer's learning rate and per-group gradient norms that split the global norm; the
+  expert-load vectors have one row per MoE layer; and the report draws its panels from the run."""
+  from k3train.optim.optimizer import learning_rate_schedule
+  from k3train.tools import report
+  from k3train.train import writers
+  from tests.train.test_writers import jsonl_scalars, tb_scalars, tensorboard_events
+  workdir, result = uninterrupted
+  logdir = os.path.join(workdir, writers.TENSORBOARD_DIR)
+  expected, got = jsonl_scalars(workdir), tb_scalars(logdir)
+  assert set(got) == set(expected)
+  for key, (value, t) in expected.items():
+    assert got[key][0] == np.float32(value), key
+    assert abs(got[key][1] - t) < 1e-6, key
+
+  cfg = make_config()
+  rows = writers.read_rows(os.path.join(workdir, "metrics.jsonl"))
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  assert {r["step"]: r["loss"] for r in rows} == result.losses
+  schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
+  flops = builder.model_size(cfg).flops_per_token
+  for r in rows:
+    assert r["step_time_s"] > 0
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"], rel=1e-12)
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / cfg.train.peak_flops_per_device,
+                                     rel=1e-12)
+    assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-6)   # fp32 schedule
+    squares = sum(v ** 2 for k, v in r.items() if k.startswith("grad_norm/"))
+    assert squares == pytest.approx(r["grad_norm"] ** 2, rel=1e-4)              # fp32 sums
+    assert r["data/skipped/python_stdlib"] == 0 and 0 <= r["padding_fraction"] < 1
+    assert r["router_bias_spread"] >= 0
+  # Compile and checkpoint-save time are reported apart, never inside a step's time.
+  assert [r["step"] for r in rows if "compile_s" in r] == [1]
+  assert rows[0]["compile_s"] > rows[0]["step_time_s"]
+  assert [r["step"] for r in rows if "checkpoint_save_s" in r] == [6, 11, 16, 21, 26]
+
+  vectors = writers.read_vectors(os.path.join(workdir, writers.STREAM_FILES["vectors"]))
+  assert [v["step"] for v in vectors] == [10, 20, 30]
+  for v in vectors:
+    assert v["rows"]["moe_load"] == loop.moe_layer_numbers(cfg.model)
+    assert v["moe_load"].shape == (len(v["rows"]["moe_load"]), cfg.model.moe.num_experts)
+    np.testing.assert_allclose(v["moe_load"].sum(axis=1), 1.0, rtol=1e-4)  # 6 significant digits
+  tags = {v.tag for e in tensorboard_events(logdir) for v in e.summary.value}
+  assert {"moe_load/2", "moe_load/13", "moe_load/heatmap"} <= tags
+
+  out = str(tmp_path / "report")
+  assert report.main(["report", f"--workdir={workdir}", f"--out={out}"]) == 0
+  drawn = {name[:-len(".png")] for name in os.listdir(out) if name.endswith(".png")}
+  assert drawn == {pid for pid, _ in report.PANELS} - {"eval_details"}   # no evals in this run
+  assert os.path.getsize(os.path.join(out, "index.html")) > 0

@@ -1,6 +1,8 @@
 """Metric writers: TensorBoard scalars equal the JSONL rows (read back from the event files' own
 records), a resumed run writes every step once without losing rows, vectors round-trip, only
-process 0 writes, W&B gets the same rows, and progress lines are never silent."""
+process 0 writes, W&B gets the same rows, and progress lines are never silent. And two metrics
+the train step hands them: per-group gradient norms (they split the global norm) and per-layer
+expert loads (rows in layer order)."""
 
 import glob
 import json
@@ -207,3 +209,91 @@ def test_progress_lines_begin_beat_and_end():
     with writers.progress("restoring", lines.append, every_s=60):
       raise KeyError("x")
   assert lines[-1].startswith("restoring: failed after ")
+
+
+# --- what the train step hands the writers -----------------------------------------------------
+
+
+def test_gradient_norm_groups_split_the_global_norm():
+  """Every parameter lands in one group: the groups' squared norms sum to the global norm's
+  square (fp32 sums; 1e-5 relative against a float64 sum), and representative parameters land in
+  the groups the README names (an MLA and a KDA mixer share the name o_proj)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from k3train import config as config_lib
+  from k3train.train import builder, step
+  from k3train.tree_paths import path_names
+  from tests.configs import CONFIG_DIR
+  cfg = config_lib.validate(config_lib.load_file(CONFIG_DIR / "k3_tiny_mm.py"))   # with vision
+  shapes = builder.abstract_state(cfg).params
+  rng = np.random.default_rng(0)
+  leaves, treedef = jax.tree.flatten(shapes)
+  grads = jax.tree.unflatten(treedef, [
+      jnp.asarray(rng.standard_normal(s.shape) * 10.0 ** rng.integers(-3, 2), jnp.float32)
+      for s in leaves])
+  norms = step.grad_norms_by_group(grads)
+  assert set(norms) == {f"grad_norm/{g}" for g in step.GRAD_GROUPS}
+  total64 = sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in jax.tree.leaves(grads))
+  groups64 = sum(float(v) ** 2 for v in norms.values())
+  assert groups64 == pytest.approx(total64, rel=1e-5)
+  assert groups64 == pytest.approx(float(optax.tree.norm(grads)) ** 2, rel=1e-5)
+  group_of = {"/".join(path_names(p)): g for (p, _), g in
+              zip(jax.tree_util.tree_leaves_with_path(grads), step.grad_groups(grads))}
+  expected = {
+      "embed/embedding": "embeddings", "lm_head/kernel": "embeddings",
+      "prefix/0/mixer/A_log": "kda", "prefix/0/mixer/o_proj/kernel": "kda",
+      "prefix/3/mixer/kv_b_proj/kernel": "mla", "prefix/3/mixer/o_proj/kernel": "mla",
+      "stack/layers/3/mixer/g_proj/kernel": "mla", "stack/layers/0/mixer/g_proj/kernel": "kda",
+      "prefix/0/ffn/gate_proj/kernel": "dense_ffn",
+      "suffix/0/ffn/router/weight": "router", "stack/layers/1/ffn/router/weight": "router",
+      "suffix/0/ffn/experts/gate": "moe_experts", "suffix/0/ffn/down_proj/kernel": "moe_experts",
+      "suffix/0/ffn/latent_norm/scale": "moe_experts",
+      "stack/layers/2/ffn/shared/up_proj/kernel": "moe_shared",
+      "vision/stack/q_proj/kernel": "vision", "vision/projector/up_proj/kernel": "vision",
+      "final_norm/scale": "other", "prefix/1/attn_res/query": "other",
+  }
+  assert {k: group_of[k] for k in expected} == expected
+  # One group's gradients alone: only that group's norm is non-zero.
+  only_router = jax.tree.unflatten(treedef, [
+      x if g == "router" else jnp.zeros_like(x)
+      for x, g in zip(jax.tree.leaves(grads), step.grad_groups(grads))])
+  alone = step.grad_norms_by_group(only_router)
+  assert alone["grad_norm/router"] == pytest.approx(float(norms["grad_norm/router"]), rel=1e-6)
+  assert all(float(v) == 0.0 for k, v in alone.items() if k != "grad_norm/router")
+
+
+def test_expert_load_rows_are_the_moe_layers_in_order():
+  """`per_layer` stacks the prefix's, the scanned super-blocks' and the suffix's MoE layers in
+  layer order: filled with each layer's own number (read from the layer schedule), its rows are
+  the MoE layers of `config.layer_schedule(...).kinds`, which label the loop's moe_load rows."""
+  import jax
+  import jax.numpy as jnp
+  from k3train import config as config_lib
+  from k3train.model import moe
+  from k3train.train import builder, loop, step
+  from k3train.tree_paths import path_names
+  from tests.configs import k3_tiny
+  cfg = config_lib.validate(k3_tiny.get_config())
+  sched = config_lib.layer_schedule(cfg.model)
+  period = len(sched.period)
+  rest = builder.abstract_state(cfg).rest
+
+  def layer_number(path, shape):
+    names = path_names(path)
+    if names[0] == "prefix":
+      return jnp.full(shape, int(names[1]), jnp.float32)
+    if names[0] == "suffix":
+      return jnp.full(shape, sched.suffix_start + int(names[1]), jnp.float32)
+    blocks = jnp.arange(shape[0], dtype=jnp.float32)[:, None] * period
+    return jnp.broadcast_to(sched.prefix + blocks + int(names[2]), shape)
+
+  loads = jax.tree_util.tree_map_with_path(lambda p, s: layer_number(p, s.shape),
+                                           rest.filter(moe.ExpertLoad))
+  rows = step.per_layer(loads, moe.ExpertLoad)
+  moe_layers = [i for i, (_, ffn) in enumerate(sched.kinds) if ffn == "moe"]
+  assert rows.shape == (len(moe_layers), cfg.model.moe.num_experts)
+  np.testing.assert_array_equal(np.asarray(rows), np.repeat(np.asarray(moe_layers, np.float32)[:, None],
+                                                            cfg.model.moe.num_experts, axis=1))
+  assert loop.moe_layer_numbers(cfg.model) == [i + 1 for i in moe_layers]
+  assert step.per_layer(loads, moe.RouterBias) is None
