@@ -231,7 +231,7 @@ def _validate_quant(m: ml_collections.ConfigDict) -> None:
 
 
 def _validate_metrics(cfg: ml_collections.ConfigDict) -> None:
-  """metrics.* (k3train/train/writers.py) and the held-out split (k3train/train/evaluation.py)."""
+  """metrics.* (k3train/train/writers.py) and the held-out split (k3train/data/split.py)."""
   s = cfg.metrics
   _require(s.vectors_every >= 0, "metrics.vectors_every", f"must be >= 0 (0: never), got {s.vectors_every}")
   _require(not s.wandb or bool(s.wandb_project.strip()), "metrics.wandb_project",

@@ -111,7 +111,7 @@ def k3_full() -> ml_collections.ConfigDict:
   d.max_unusable_records = 10_000
   d.max_unusable_seconds = 300.0
   # Share of every source's documents held out from training for evaluation, chosen by a hash of
-  # the document's id (k3train/train/evaluation.py); eval.sources naming a training source read it.
+  # the document's id (k3train/data/split.py); eval.sources naming a training source read it.
   d.heldout_fraction = 0.01
 
   v = d.vision = ml_collections.ConfigDict()   # MoonViT-V2 input (docs/maths.md §6)

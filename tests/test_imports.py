@@ -21,7 +21,8 @@ LAYERS = {
     "k3train.data": 3, "k3train.model": 3,
     "k3train.optim": 4,
     "k3train.train": 5,
-    "k3train.tools": 6, "k3train.main": 6,
+    "k3train.tools": 6,
+    "k3train.main": 7,
 }
 
 

@@ -11,7 +11,8 @@ small interface, plus progress lines for long silent waits.
 Streams and files (in the work directory), one JSON object per line, steps strictly increasing:
 
   train    metrics.jsonl         {"step", "time", <scalar>: float, ...}; a step's training scalars
-                                 (a string value, e.g. "stage": name, is a label: JSONL only)
+                                 (a string value, e.g. "stage": name, is a label: JSONL only; an
+                                 int, e.g. "seq_len", stays an int)
   eval     eval_metrics.jsonl    {"step", "time", "eval/...": float, ...}; one row per evaluation
   vectors  vectors.jsonl         {"step", "time", <name>: [[...], ...], "rows": {<name>: [...]}}
                                  e.g. moe_load [MoE layers, experts], rows = their layer numbers
@@ -182,6 +183,16 @@ def _finite_or_none(x: float):
   return x if math.isfinite(x) else None
 
 
+def _json_scalar(v):
+  """A row value as JSON: labels (str) and integers (e.g. seq_len) as they are, every other
+  number as a float, null when not finite."""
+  if isinstance(v, str):
+    return v
+  if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+    return int(v)
+  return _finite_or_none(v)
+
+
 def _array_json(a: np.ndarray) -> str:
   """A float array as nested JSON lists with 6 significant digits (null for NaN/Inf)."""
   if a.ndim == 0:
@@ -215,7 +226,7 @@ class JsonlWriter(MetricWriter):
 
   def scalars(self, step, values, *, stream="train", time=None):
     row = {"step": int(step), "time": float(time_lib.time() if time is None else time)}
-    row.update({k: v if isinstance(v, str) else _finite_or_none(v) for k, v in values.items()})
+    row.update({k: _json_scalar(v) for k, v in values.items()})
     self._write(stream, json.dumps(row))
 
   def vectors(self, step, values, *, rows=None, time=None):

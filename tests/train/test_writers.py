@@ -297,3 +297,17 @@ def test_expert_load_rows_are_the_moe_layers_in_order():
                                                             cfg.model.moe.num_experts, axis=1))
   assert loop.moe_layer_numbers(cfg.model) == [i + 1 for i in moe_layers]
   assert step.per_layer(loads, moe.RouterBias) is None
+
+
+def test_integer_values_stay_integers(tmp_path):
+  """An int (the curriculum's seq_len label) reads back as an int, so code formatting it (bucket
+  names such as "eval/loss_by_pos/64_128") sees 64, not 64.0; bools and floats become floats."""
+  w = writers.open_writers(str(tmp_path), {"tensorboard": True})
+  w.scalars(1, {"seq_len": 128, "rows": np.int64(4), "flag": True, "loss": 2.0, "stage": "a"})
+  w.close()
+  (row,) = writers.read_rows(str(tmp_path / "metrics.jsonl"))
+  assert row["seq_len"] == 128 and type(row["seq_len"]) is int and type(row["rows"]) is int
+  assert type(row["flag"]) is float and row["flag"] == 1.0 and row["stage"] == "a"
+  assert f"{row['seq_len'] // 2}" == "64"
+  got = tb_scalars(str(tmp_path / writers.TENSORBOARD_DIR))
+  assert got[("seq_len", 1)][0] == 128.0 and ("stage", 1) not in got
