@@ -66,7 +66,7 @@ def train_step_fn(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.Gra
                          loss_spike_ema=o.loss_spike_ema,
                          qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
                          mla_nope_dim=cfg.model.mla.qk_nope_head_dim,
-                         microbatches=cfg.train.microbatches)
+                         microbatches=cfg.train.microbatches, quant=cfg.model.quant)
 
 
 def jit_train_step(cfg, graphdef, optimizer, layout: layout_lib.Layout, shardings: TrainState):

@@ -22,6 +22,10 @@ warpgroups issuing wgmma, each owning a [tile_m, tile_n] fp32 accumulator; a CTA
   start exactly at the group's first row (TMA takes element offsets); in the last block the rows
   past the group are zeroed in shared memory in the consumer's own dout columns before its wgmma.
   Empty groups store zeros.
+* `gmm_mx_mgpu` is `gmm_mgpu` with the rhs read as MXFP4 (packed codes + E8M0 scales) and
+  dequantised in the consumer warpgroups before the wgmma (the forward of `gmm_mx`; its backward
+  runs the two kernels above on the dequantised operands). It is tested in interpret mode and
+  lowered to Mosaic GPU (layout inference included) on CPU; it has not run on a GPU.
 
 Constraints (checked, with a clear error): lhs and rhs of one dtype (bf16/f16; f32 runs as tf32);
 K % tile_k == 0, N % (2·tile_n) == 0; rows M ≥ tile (smaller M is zero-padded by the caller).
@@ -408,16 +412,33 @@ def gmm_pallas_gpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Arr
 # ------------------------------------------------------------------------------------------ MX
 
 MX_BLOCK = mx_operands.BLOCK
+_MX_ROW_BYTES = 48   # per weight row and K-step of 64: 32 code bytes, 2 scale bytes, 14 zero bytes
 
 
-def _repack_halves(rhs_packed_gnh: jax.Array, tile_k: int) -> jax.Array:
-  """Release MXFP4 bytes (element 2j low, 2j+1 high) → the kernel's order: within every tile_k
-  slice of K, byte j holds element j (low nibble) and element j + tile_k/2 (high nibble), so the
-  low and high nibbles of a tile decode to two contiguous K-halves (no interleave in registers)."""
+def _kernel_rhs(rhs_packed_gnh: jax.Array, rhs_scales_gnb: jax.Array) -> jax.Array:
+  """Release MXFP4 (codes [G, N, K/2], scale bytes [G, N, K/32]) → the kernel's operand, uint8
+  [G, N, K/64 · 48]: for every weight row and K-step of 64 elements, 32 code bytes in which byte
+  j holds element j (low nibble) and element 32 + j (high nibble), so the two nibbles decode to
+  the step's two MX blocks without an interleave, then the two blocks' scale bytes, then zeros
+  (a TMA row is a multiple of 16 bytes). 6 bits per weight element in all, against 16 for bf16;
+  one XLA pass over the packed bytes."""
   nib = mx_operands.unpack_nibbles(rhs_packed_gnh)                       # [G, N, K]
   g, n, k = nib.shape
-  halves = nib.reshape(g, n, k // tile_k, 2, tile_k // 2)
-  return (halves[..., 0, :] | (halves[..., 1, :] << 4)).reshape(g, n, k // 2)
+  halves = nib.reshape(g, n, k // 64, 2, 32)                             # K-steps of 2 blocks
+  codes = halves[..., 0, :] | (halves[..., 1, :] << 4)                   # [G, N, K/64, 32]
+  scales = rhs_scales_gnb.reshape(g, n, k // 64, 2)
+  pad = jnp.zeros((g, n, k // 64, _MX_ROW_BYTES - 34), jnp.uint8)
+  return jnp.concatenate([codes, scales, pad], axis=-1).reshape(g, n, (k // 64) * _MX_ROW_BYTES)
+
+
+def _pow2_factors(byte: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """E8M0 byte (int32) → two fp32 powers of two whose product is 2^(byte − 127), each normal
+  (so byte 0 needs no subnormal), from the exponent bits."""
+  e = byte - 127
+  half = e >> 1
+  f1 = lax.bitcast_convert_type((half + 127) << 23, jnp.float32)
+  f2 = lax.bitcast_convert_type((e - half + 127) << 23, jnp.float32)
+  return f1, f2
 
 
 def _decode_e2m1_f32(nib: jax.Array) -> jax.Array:
@@ -438,14 +459,15 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
   """out [M, N] (lhs dtype) = ragged_dot(lhs, deq(rhs)), rhs MXFP4 dequantised in the kernel.
 
   rhs: packed uint8 [G, N, K/2] and E8M0 bytes [G, N, K/32] in the release layout
-  (mx_operands.py). The launcher reorders the nibbles of every K-slice of tile_k = 64 (one byte
-  holds elements j and j + 32: `_repack_halves`) and widens the scale bytes to fp32 powers of two
-  laid out [G, K/32, N] (a 1/32-size array); both are XLA ops on the packed data. Per pipeline
-  step a consumer warpgroup decodes its [tile_n, 32] packed bytes into two bf16 halves of the
-  weight tile (low nibbles: K-block 2kk, high nibbles: block 2kk + 1, each times its block's
-  scale row), writes them to shared memory and issues one wgmma per half against the matching
-  half of the lhs tile (loaded as two [tile_m, 32] TMA tiles). Everything else (row schedule,
-  ragged TMA-store epilogue, tail zeros) is gmm_mgpu's.
+  (mx_operands.py). The launcher rearranges them into one uint8 operand (`_kernel_rhs`: per
+  weight row and K-step of tile_k = 64, 32 code bytes whose low nibbles are MX block 2kk and
+  high nibbles block 2kk + 1, then the two scale bytes). Per pipeline step the producer loads a
+  [2·tile_n, 48]-byte tile by TMA; a consumer warpgroup reads its [tile_n, 48] rows into
+  registers, decodes the nibbles to fp32 E2M1 values, takes each row's two scale bytes (a masked
+  row sum), multiplies by 2^(byte − 127) as two exact power-of-two factors (NaN for byte 255),
+  writes the two [tile_n, 32] halves of the weight tile to shared memory in the lhs dtype and
+  issues one wgmma per half against the matching half of the lhs tile (two [tile_m, 32] TMA
+  tiles). Row schedule, ragged TMA-store epilogue and tail zeros are gmm_mgpu's.
   """
   cfg = config
   m, k = lhs_mk.shape
@@ -463,8 +485,7 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
   _check(cfg.tile_n % cfg.epi_n == 0, "gmm_mx_mgpu: tile_n must be a multiple of epi_n")
   _check(cfg.epi_n * jnp.dtype(dtype).itemsize % 128 == 0,
          "gmm_mx_mgpu: epi_n rows must be 128-byte multiples (TMA stores start at any row)")
-  packed = _repack_halves(rhs_packed_gnh, cfg.tile_k)
-  scales_gbn = jnp.swapaxes(mx_operands.scale_values(rhs_scales_gnb, jnp.float32(1.0)), 1, 2)
+  rhs_k = _kernel_rhs(rhs_packed_gnh, rhs_scales_gnb)
   pad = max(cfg.tile_m, -(-m // 8) * 8) - m
   if pad:
     lhs_mk = jnp.pad(lhs_mk, ((0, pad), (0, 0)))
@@ -473,7 +494,6 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
   num_items = sched.group_id.shape[0]
   n_iters, k_iters = n // cta_n, k // cfg.tile_k
   a_tf = _swizzled(half, dtype)
-  p_tf = _swizzled(half, jnp.uint8)
   w_tf = _swizzled(half, dtype)
   out_tf = _swizzled(cfg.epi_n, dtype, tiling_rows=1)
   tile_m, tile_n, epi_n = cfg.tile_m, cfg.tile_n, cfg.epi_n
@@ -486,26 +506,23 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
                             memory_space=plgpu.SMEM),
             plgpu.BlockSpec((tile_m, half), lambda kk: (0, 2 * kk + 1), transforms=a_tf,
                             memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((cta_n, half), lambda kk: (0, kk), transforms=p_tf,
+            plgpu.BlockSpec((cta_n, _MX_ROW_BYTES), lambda kk: (0, kk),
                             memory_space=plgpu.SMEM)],
         wg_axis="wg", num_compute_wgs=_NUM_COMPUTE_WGS, max_concurrent_steps=cfg.stages,
         compute_context=context)
 
-  def kernel(gid_ref, tstart_ref, vstart_ref, vsize_ref, lhs_ref, packed_ref, scales_ref,
-             out_ref):
+  def kernel(gid_ref, tstart_ref, vstart_ref, vsize_ref, lhs_ref, rhs_ref, out_ref):
     ignore = lambda *_, **__: None
     lhs_view0 = lhs_ref.at[pl.ds(0, tile_m), :]
 
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(
-            lhs_view0, lhs_view0, packed_ref.at[0, pl.ds(0, cta_n), :]),
+            lhs_view0, lhs_view0, rhs_ref.at[0, pl.ds(0, cta_n), :]),
         out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_m, epi_n), dtype, transforms=out_tf),
         w_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_n, half), dtype, transforms=w_tf),
-        s_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_n), jnp.float32),
-        s_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=_NUM_COMPUTE_WGS),
         collective_axes="wg")
-    def scope(allocs, out_smem, w_smem, s_smem, s_barrier):
+    def scope(allocs, out_smem, w_smem):
       wg = lax.axis_index("wg")
 
       @plgpu.nd_loop((num_items * n_iters,), collective_axes="sm")
@@ -538,26 +555,26 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
             run_pipeline(acc_ref)
             store(acc_ref[...].astype(dtype))
 
-        def mma(idx, a_lo, a_hi, p_smem, acc_ref):
-          (kk,) = idx
+        def mma(_, a_lo, a_hi, r_smem, acc_ref):
           own = pl.ds(wg * tile_n, tile_n)
+          codes_ref, scale_ref = r_smem.at[own, pl.ds(0, half)], r_smem.at[own, pl.ds(half, 16)]
           if interpret:
-            p_nh = p_smem[own, :]                                  # uint8 [tile_n, 32]
-          else:            # the decode runs in the wgmma register layout, row scales broadcast
-            p_nh = plgpu.load(p_smem.at[own, :], (), layout=plgpu.Layout.WGMMA)
-          # This warpgroup's scale rows of K-blocks 2kk and 2kk + 1: fp32 [2, tile_n] by TMA.
-          plgpu.copy_gmem_to_smem(
-              scales_ref.at[jnp.minimum(gid, g - 1), pl.ds(2 * kk, 2), pl.ds(col0, tile_n)],
-              s_smem.at[wg], s_barrier.at[wg])
-          plgpu.barrier_wait(s_barrier.at[wg])
-          p_nh = p_nh.astype(jnp.int32)          # Mosaic GPU: no 8-bit arithmetic but bitwise
-          for h, nib in enumerate((p_nh & 15, (p_nh >> 4) & 15)):  # K-block 2kk, then 2kk + 1
-            if interpret:   # the CPU interpreter has no layout-annotated loads (same values)
-              s_n = s_smem[wg, h]
-            else:           # one scale per weight row, in the wgmma row layout
-              s_n = plgpu.load(s_smem.at[wg, h], (), layout=plgpu.Layout.WGMMA.reduce(1))
-            scale_nh = lax.broadcast_in_dim(s_n, (tile_n, half), [0])
-            w_smem[wg, h] = (_decode_e2m1_f32(nib) * scale_nh).astype(dtype)
+            codes_nh, bytes_n16 = codes_ref[...], scale_ref[...]
+            col = lax.broadcasted_iota(jnp.int32, (tile_n, 16), 1)
+          else:            # decode in the wgmma register layout; row values broadcast along K
+            codes_nh = plgpu.load(codes_ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
+            bytes_n16 = plgpu.load(scale_ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
+            col = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tile_n, 16), 1),
+                                    plgpu.Layout.WGMMA)
+          codes_nh = codes_nh.astype(jnp.int32)     # Mosaic GPU: 8-bit types only bitwise
+          bytes_n16 = bytes_n16.astype(jnp.int32)
+          row = lambda v: lax.broadcast_in_dim(v, (tile_n, half), [0])
+          for h, nib in enumerate((codes_nh & 15, (codes_nh >> 4) & 15)):  # blocks 2kk, 2kk+1
+            byte_n = jnp.sum(jnp.where(col == h, bytes_n16, 0), axis=1)     # [tile_n] int32
+            f1, f2 = _pow2_factors(byte_n)
+            w_nh = _decode_e2m1_f32(nib) * row(f1) * row(f2)
+            w_nh = jnp.where(row(byte_n) == 255, jnp.nan, w_nh)
+            w_smem[wg, h] = w_nh.astype(dtype)
           plgpu.commit_smem()
           for h, a_smem in enumerate((a_lo, a_hi)):
             plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(w_smem.at[wg, h], (1, 0)))
@@ -568,9 +585,8 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
         def _():
           gid_c = jnp.minimum(gid, g - 1)
           lhs_view = lhs_ref.at[pl.ds(tstart, tile_m), :]
-          pipeline(mma, context)(lhs_view, lhs_view,
-                                 packed_ref.at[gid_c, pl.ds(ni * cta_n, cta_n), :],
-                                 allocations=allocs)
+          rhs_view = rhs_ref.at[gid_c, pl.ds(ni * cta_n, cta_n), :]
+          pipeline(mma, context)(lhs_view, lhs_view, rhs_view, allocations=allocs)
 
         @pl.when((vsize > 0) & is_tail & (wg < _NUM_COMPUTE_WGS))
         def _():
@@ -584,14 +600,8 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=_interpret_params(interpret),
-  )(sched.group_id, sched.tile_start, sched.valid_start, sched.valid_size, lhs_mk, packed,
-    scales_gbn)
+  )(sched.group_id, sched.tile_start, sched.valid_start, sched.valid_size, lhs_mk, rhs_k)
   return out[:m] if pad else out
-
-
-def supports_mx(lhs_shape, rhs_shape, dtype, config: MgpuConfig = DEFAULT_CONFIG) -> bool:
-  """Whether `gmm_mx_mgpu` tiles these shapes (forward) and the bf16 kernels the backward."""
-  return config.tile_k == 2 * MX_BLOCK and supports(lhs_shape, rhs_shape, dtype, config)
 
 
 def gmm_mx_pallas_gpu_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes_g,

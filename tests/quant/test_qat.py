@@ -11,10 +11,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import pytest
 from flax import nnx
 
+from k3train import config as config_lib
 from k3train.model import moe as moe_lib
 from k3train.quant import mx
+from tests.configs import k3_tiny
 
 D_MODEL, LATENT, HIDDEN, EXPERTS = 16, 32, 64, 4
 FAKE = moe_lib.ExpertQuant(gemm="fake_quant")
@@ -140,3 +143,31 @@ def test_exported_mxfp4_experts_reproduce_the_qat_forward_exactly():
   imported = moe_lib.import_routed_experts(params, exported)
   y_export, _ = run(model, imported, x, FAKE, weights_quantized=True)
   np.testing.assert_array_equal(y_export, y_qat)
+
+
+def test_config_section_is_validated_and_resolved():
+  """model.quant: off by default; bad values stop at start naming the key; "auto" resolves to
+  the fake-quant GEMMs off GPU; enabling it needs MX-block-sized expert dims."""
+  cfg = k3_tiny.get_config()
+  assert cfg.model.quant.enabled is False
+  assert moe_lib.expert_quant_from_config(cfg.model.quant) is None
+  for key, value, match in [("weights", "mxfp6", "model.quant.weights"),
+                            ("scale_rule", "ceil", "model.quant.scale_rule"),
+                            ("gemm", "fast", "model.quant.gemm"),
+                            ("start_step", -1, "model.quant.start_step")]:
+    bad = k3_tiny.get_config()
+    bad.model.quant[key] = value
+    with pytest.raises(config_lib.ConfigError, match=match):
+      config_lib.validate(bad)
+  bad = k3_tiny.get_config()
+  bad.model.quant.update(gemm="mx", activations="none")
+  with pytest.raises(config_lib.ConfigError, match="MXFP4 weights and MXFP8 activations"):
+    config_lib.validate(bad)
+  bad = k3_tiny.get_config()
+  bad.model.quant.enabled = True
+  bad.model.moe.expert_hidden = 48
+  with pytest.raises(config_lib.ConfigError, match="model.moe.expert_hidden"):
+    config_lib.validate(bad)
+  cfg.model.quant.update(enabled=True, start_step=7)
+  q = moe_lib.expert_quant_from_config(config_lib.validate(cfg).model.quant)
+  assert q == moe_lib.ExpertQuant(gemm="fake_quant", start_step=7)   # CPU: fake-quant GEMMs
