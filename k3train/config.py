@@ -81,6 +81,19 @@ def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
   return out
 
 
+def _same_type(ref, value) -> bool:
+  """Whether `value` may stand where the schema has `ref` (ints for floats, lists for tuples)."""
+  if isinstance(ref, bool):
+    return isinstance(value, bool)
+  if isinstance(ref, int):
+    return isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(ref, float):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if isinstance(ref, tuple):
+    return isinstance(value, (tuple, list))
+  return isinstance(value, type(ref))
+
+
 def _check_types(cfg: ml_collections.ConfigDict) -> None:
   schema = _flatten(_schema())
   given = _flatten(cfg)
@@ -94,17 +107,7 @@ def _check_types(cfg: ml_collections.ConfigDict) -> None:
     if key not in given:
       raise ConfigError(f"config key {key!r} is missing; every config derives from k3train/defaults.py")
     value = given[key]
-    if isinstance(ref, bool):
-      ok = isinstance(value, bool)
-    elif isinstance(ref, int):
-      ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(ref, float):
-      ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif isinstance(ref, tuple):
-      ok = isinstance(value, (tuple, list))
-    else:
-      ok = isinstance(value, type(ref))
-    if not ok:
+    if not _same_type(ref, value):
       raise ConfigError(f"config key {key!r} must be {type(ref).__name__}, got {value!r} "
                         f"({type(value).__name__})")
 
@@ -396,17 +399,7 @@ def _stage_entry(i: int, entry) -> dict[str, Any]:
   for key, value in given.items():
     _require(key in schema, f"{where}.{key}", f"unknown stage key; known: {sorted(schema)}")
     ref = schema[key]
-    if isinstance(ref, bool):
-      ok = isinstance(value, bool)
-    elif isinstance(ref, int):
-      ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(ref, float):
-      ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif isinstance(ref, tuple):
-      ok = isinstance(value, (tuple, list))
-    else:
-      ok = isinstance(value, type(ref))
-    _require(ok, f"{where}.{key}", f"must be {type(ref).__name__}, got {value!r}")
+    _require(_same_type(ref, value), f"{where}.{key}", f"must be {type(ref).__name__}, got {value!r}")
   out = {**schema, **given}
   _require(isinstance(name, str) and name, f"{where}.name", "every stage needs a name")
   for key in ("until_step", "until_tokens", "seq_len", "global_batch_size", "microbatches"):
