@@ -26,10 +26,8 @@ PROG = "python -m k3train.tools.generate"
 
 
 def _define(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("hf_checkpoint", None, "release directory (config.json + *.safetensors)",
-                      flag_values=fv)
-  flags.DEFINE_string("workdir", None, "k3train run directory (its latest checkpoint)",
-                      flag_values=fv)
+  from k3train.tools.logits import define_model_source
+  define_model_source(fv)
   flags.DEFINE_string("prompt", None, "the prompt text", flag_values=fv)
   flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per row", flag_values=fv)
   flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling temperature", flag_values=fv)
@@ -91,8 +89,8 @@ def main(argv=None) -> int:
   if args.exit_code is not None:
     return args.exit_code
   fv = args.flags
-  if bool(fv.hf_checkpoint) == bool(fv.workdir):
-    cli.error(PROG, "give exactly one of --hf_checkpoint and --workdir")
+  from k3train.tools.logits import check_model_source
+  if not check_model_source(fv, PROG):
     return cli.USAGE_ERROR
   if fv.prompt is None:
     cli.error(PROG, "--prompt is required")

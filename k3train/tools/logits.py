@@ -20,11 +20,24 @@ from k3train import cli
 PROG = "python -m k3train.tools.logits"
 
 
-def _define(fv: flags.FlagValues) -> None:
+def define_model_source(fv: flags.FlagValues) -> None:
+  """--hf_checkpoint / --workdir: where a model-reading tool takes its weights (exactly one)."""
   flags.DEFINE_string("hf_checkpoint", None, "release directory (config.json + *.safetensors)",
                       flag_values=fv)
   flags.DEFINE_string("workdir", None, "k3train run directory (its latest checkpoint)",
                       flag_values=fv)
+
+
+def check_model_source(fv, prog: str) -> bool:
+  """True when exactly one of --hf_checkpoint and --workdir is given; else prints the error."""
+  if bool(fv.hf_checkpoint) == bool(fv.workdir):
+    cli.error(prog, "give exactly one of --hf_checkpoint and --workdir")
+    return False
+  return True
+
+
+def _define(fv: flags.FlagValues) -> None:
+  define_model_source(fv)
   flags.DEFINE_string("tokens", None, "input .npy of int token ids [B, T]", flag_values=fv)
   flags.DEFINE_string("out", None, "output .npy of float32 logits [B, T, V]", flag_values=fv)
 
@@ -52,8 +65,7 @@ def main(argv=None) -> int:
   if args.exit_code is not None:
     return args.exit_code
   fv = args.flags
-  if bool(fv.hf_checkpoint) == bool(fv.workdir):
-    cli.error(PROG, "give exactly one of --hf_checkpoint and --workdir")
+  if not check_model_source(fv, PROG):
     return cli.USAGE_ERROR
   for name in ("tokens", "out"):
     if not fv[name].value:
