@@ -195,14 +195,23 @@ def panel_learning_rate(m: RunMetrics, path: str) -> str | None:
   return ""
 
 
+def _parts_and_total(t, key: str, total_label: str):
+  """(the "<key>/<part>" keys, their series + the bold "<key>" total), or (…, None) when neither
+  was recorded."""
+  parts = t.with_prefix(key + "/")
+  if t.get(key) is None and not parts:
+    return parts, None
+  series = [_series(t, k, k.split("/", 1)[1]) for k in parts]
+  if t.get(key) is not None:
+    series.append(_series(t, key, total_label, style="bold"))
+  return parts, series
+
+
 def panel_grad_norm(m: RunMetrics, path: str) -> str | None:
   t = m.train
-  groups = t.with_prefix("grad_norm/")
-  if t.get("grad_norm") is None and not groups:
+  groups, series = _parts_and_total(t, "grad_norm", "global")
+  if series is None:
     return None
-  series = [_series(t, k, k.split("/", 1)[1]) for k in groups]
-  if t.get("grad_norm") is not None:
-    series.append(_series(t, "grad_norm", "global", style="bold"))
   plots.lines(path, series, title="Gradient norms", ylabels=["L2 norm"], logy=[True])
   return "" if groups else "per-group norms not recorded; global norm only"
 
@@ -268,12 +277,9 @@ def panel_router_bias(m: RunMetrics, path: str) -> str | None:
 
 def panel_max_logit(m: RunMetrics, path: str) -> str | None:
   t = m.train
-  layers = t.with_prefix("mla_max_logit/")
-  if t.get("mla_max_logit") is None and not layers:
+  _, series = _parts_and_total(t, "mla_max_logit", "max over layers")
+  if series is None:
     return None
-  series = [_series(t, k, k.split("/", 1)[1]) for k in layers]
-  if t.get("mla_max_logit") is not None:
-    series.append(_series(t, "mla_max_logit", "max over layers", style="bold"))
   ylabels = ["max logit"]
   if t.get("qk_clip_heads") is not None:
     series.append(_series(t, "qk_clip_heads", "heads clipped", axis=1))
