@@ -30,6 +30,7 @@ def get_config():
 
   m.attn_res.block_size = 6
   m.vision.enabled = False               # text benchmarks; set both to True for a multimodal step
+  m.mtp.enabled = False                  # the main model's step only
   c.data.vision.enabled = False
   c.train.use_stages = False             # one stage; the K3 stage plan needs a pod
 

@@ -37,6 +37,7 @@ def get_config():
   m.attn_res.block_size = 4
 
   m.vision.enabled = False        # text only (configs/k3_tiny_mm.py adds a tiny vision tower)
+  m.mtp.enabled = False           # no MTP module (--config.model.mtp.enabled=true adds it)
 
   c.data.seq_len = 128
   c.data.vision.enabled = False

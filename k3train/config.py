@@ -263,6 +263,8 @@ def _validate_data(d: ml_collections.ConfigDict) -> None:
            and any(w > 0 for w in weights),
            "data.weights", f"must be numbers >= 0, at least one positive, got {weights!r}")
   _require(d.long_doc_weight >= 1, "data.long_doc_weight", f"must be >= 1, got {d.long_doc_weight}")
+  _require(0 <= d.skip_warn_fraction <= 1, "data.skip_warn_fraction",
+           f"must lie in [0, 1] (1: never warn), got {d.skip_warn_fraction}")
   v = d.vision
   _require(v.max_patches >= 4, "data.vision.max_patches", f"must be >= 4, got {v.max_patches}")
   _require(v.max_side >= 28 and v.max_side % 28 == 0, "data.vision.max_side",

@@ -58,6 +58,7 @@ def k3_full() -> ml_collections.ConfigDict:
   e.renormalize = True
   e.latent_norm = True
   e.quantile_balancing = True
+  e.qb_drift_correction = True    # move QB's proposal with the router's own update (first order)
   e.backend = "auto"              # pallas_kernels.moe: auto (pallas_gpu on GPU, else ragged_dot)
 
   q = m.quant = ml_collections.ConfigDict()   # MX QAT of the routed experts (docs/maths.md §7.5)
@@ -72,7 +73,7 @@ def k3_full() -> ml_collections.ConfigDict:
   r.block_size = 12               # decoder layers per AttnRes block
 
   mt = m.mtp = ml_collections.ConfigDict()     # multi-token prediction (docs/maths.md §8, k3train/model/mtp.py)
-  mt.enabled = False              # one MLA + MoE module predicting t+2; released as model.mtp.*
+  mt.enabled = True               # one MLA + MoE module predicting t+2; released as model.mtp.*
   mt.loss_weight = 0.1            # λ: total loss = main + λ · MTP loss
 
   w = m.vision = ml_collections.ConfigDict()   # MoonViT-V2 tower + PatchMergerMLPV2 (docs/maths.md §6.2)
@@ -110,6 +111,10 @@ def k3_full() -> ml_collections.ConfigDict:
   # naming its skip counts (counts go to metrics.jsonl as data/skipped/<source>/<reason>).
   d.max_unusable_records = 10_000
   d.max_unusable_seconds = 300.0
+  # Warn when a source's skip rate (records skipped wholly or in part / records read, cumulative)
+  # passes this share (a warning line on stderr), and again each time it climbs 10 more points;
+  # 1 never warns.
+  d.skip_warn_fraction = 0.1
   # Share of every source's documents held out from training for evaluation, chosen by a hash of
   # the document's id (k3train/data/split.py); eval.sources naming a training source read it.
   d.heldout_fraction = 0.01
@@ -147,6 +152,7 @@ def k3_full() -> ml_collections.ConfigDict:
   o.min_lr_ratio = 0.1
   o.wsd_decay_fraction = 0.1       # wsd: share of train.steps spent decaying
   o.weight_decay = 0.1
+  o.router_lr_factor = 1.0         # the MoE router weight's learning rate relative to the rest
   o.grad_clip_norm = 1.0
   o.adam_b1 = 0.9
   o.adam_b2 = 0.95

@@ -41,6 +41,17 @@ def enable_compilation_cache(path: str) -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def check_checkpoint_config(cfg, workdir: str) -> None:
+  """Refuses, before anything is built or written, a workdir whose newest checkpoint was written
+  with an incompatible config (checkpoint.MUST_MATCH): building a large model first would waste
+  minutes before the same refusal. Raises CheckpointMismatchError or ConfigError."""
+  from k3train.train import checkpoint
+  run_stages = config_lib.stages(cfg)
+  checkpoint.check_before_build(
+      os.path.join(workdir, "checkpoints"),
+      lambda step: run_stages[config_lib.stage_at(run_stages, step)].cfg)
+
+
 def main(argv=None) -> int:
   args = cli.parse(argv, PROG, define=_define)
   if args.exit_code is not None:
@@ -60,6 +71,15 @@ def main(argv=None) -> int:
       except ValueError as e:
         cli.error(PROG, f"config error: data.sources: {e}")
         return cli.USAGE_ERROR
+  from k3train.train import checkpoint
+  try:
+    check_checkpoint_config(cfg, fv.workdir)
+  except config_lib.ConfigError as e:     # a curriculum stage that does not derive
+    cli.error(PROG, "config error: " + " ".join(str(e).split()))
+    return cli.USAGE_ERROR
+  except checkpoint.CheckpointMismatchError as e:
+    cli.error(PROG, str(e))
+    return cli.USAGE_ERROR
   from k3train.parallel import distributed
   # JAX logs "Unable to initialize backend ..." (INFO) for every backend it probes and does not
   # find, e.g. TPU on a GPU host; its warnings (a GPU without a CUDA jaxlib) stay.
@@ -82,7 +102,6 @@ def main(argv=None) -> int:
     if jax.process_index() == 0:
       print(msg, flush=True)
 
-  from k3train.train import checkpoint
   try:
     # The memory plan refuses, before anything is built, a curriculum stage that does not fit.
     result = loop.train(cfg, fv.workdir, stop_at_step=fv.stop_at_step,

@@ -188,9 +188,17 @@ def padding_fraction(batch: Mapping[str, np.ndarray]) -> float:
   return float(np.mean(seg == 0)) if seg.size else 0.0
 
 
-# Per-piece stats vector: error counts per (source slot, reason), then tokens of the piece that
-# come from a long document (longer than seq_len / 2), then all tokens of the piece.
+# Per-piece stats vector: error counts per (source slot, reason), then record counts per (source
+# slot, RECORD_COUNTS), then tokens of the piece that come from a long document (longer than
+# seq_len / 2), then all tokens of the piece.
 _LENGTH_STATS = 2
+# Per source: records read, and records the pipeline skipped wholly or in part (one or more
+# skipped items): the skip rate's denominator and numerator.
+RECORD_COUNTS = ("read", "skipped")
+
+
+def _stats_width(num_slots: int) -> int:
+  return num_slots * (len(REASONS) + len(RECORD_COUNTS)) + _LENGTH_STATS
 
 
 class _SumStats(grain.transforms.Map):
@@ -255,7 +263,7 @@ def initial_layout(process_index: int, process_count: int) -> dict:
 
 def initial_reader_state(process_index: int, process_count: int) -> dict:
   return {"k3_reader": 1, "layout": initial_layout(process_index, process_count), "doc": 0,
-          "offset": 0, "pending": [0] * len(REASONS)}
+          "offset": 0, "pending": [0] * len(REASONS), "records": [0] * len(RECORD_COUNTS)}
 
 
 _MASK64 = (1 << 64) - 1
@@ -274,7 +282,8 @@ class SourceReader(grain.DatasetIterator):
 
   State (JSON): layout {frontier F, count n, index q, holes [[position, token offset or -1]]},
   `doc` = host-stream index of the document being cut (or the next one), `offset` = token where
-  its next piece starts (0: not started), `pending` = error counts not yet attached to a piece.
+  its next piece starts (0: not started), `pending` = error counts and `records` = record counts
+  (RECORD_COUNTS) not yet attached to a piece.
   The grain sub-pipeline below (threads / worker processes) is rebuilt from `doc` on restore,
   so the state does not depend on num_workers.
   """
@@ -300,6 +309,8 @@ class SourceReader(grain.DatasetIterator):
     self.next_doc = int(state["doc"])           # host-stream index of the next document to fetch
     self.resume_offset = int(state["offset"])   # applies to document `next_doc` when fetched
     self.pending = np.asarray(state["pending"], np.int64).reshape(len(REASONS))
+    self.records = np.asarray(state.get("records", [0] * len(RECORD_COUNTS)),   # older states: none
+                              np.int64).reshape(len(RECORD_COUNTS))
     self.cur = None                            # (Encoded, host index, next piece start)
     self._close_parent()
     self._parent_iter = None
@@ -343,6 +354,7 @@ class SourceReader(grain.DatasetIterator):
         continue                                   # consumed by another host before a reshard
       if not counted:
         self.pending += doc.errors
+        self.records += (1, int(np.any(doc.errors)))
       if len(doc.tokens) - offset >= 2:
         if offset == 0 and not counted and not self._keep(g, len(doc.tokens)):
           continue                                 # a short document the stage samples away
@@ -351,11 +363,14 @@ class SourceReader(grain.DatasetIterator):
     end, first, stop, nxt = documents.split_piece(doc, start, self.budget)
     piece = documents.make_piece(doc, start, end, first, stop, with_vision=self.with_vision)
     self.cur = None if nxt < 0 else (doc, j, nxt)
-    stats = np.zeros((self.num_slots * len(REASONS) + _LENGTH_STATS,), np.int64)
+    stats = np.zeros((_stats_width(self.num_slots),), np.int64)
     stats[self.slot * len(REASONS):(self.slot + 1) * len(REASONS)] = self.pending
+    first_count = self.num_slots * len(REASONS) + self.slot * len(RECORD_COUNTS)
+    stats[first_count:first_count + len(RECORD_COUNTS)] = self.records
     stats[-1] = end + 1 - start
     stats[-2] = stats[-1] if 2 * len(doc.tokens) > self.budget.seq_len else 0
     self.pending = np.zeros_like(self.pending)
+    self.records = np.zeros_like(self.records)
     piece[_STATS] = stats
     return piece
 
@@ -386,7 +401,8 @@ class SourceReader(grain.DatasetIterator):
     else:
       doc_index, offset = self.next_doc, self.resume_offset
     return {"k3_reader": 1, "layout": copy.deepcopy(self.layout), "doc": doc_index,
-            "offset": offset, "pending": [int(x) for x in self.pending]}
+            "offset": offset, "pending": [int(x) for x in self.pending],
+            "records": [int(x) for x in self.records]}
 
   def set_state(self, state):
     self._set(state)
@@ -431,12 +447,14 @@ def reshard_source(states: Sequence[dict], new_count: int) -> list[dict]:
     if s["offset"] > 0:
       holes[nxt[q]] = s["offset"]
   pending = np.sum([s["pending"] for s in states], axis=0).astype(np.int64)
+  records = np.sum([s.get("records", [0] * len(RECORD_COUNTS)) for s in states], axis=0).astype(np.int64)
   out = []
   for q in range(new_count):
     out.append({"k3_reader": 1, "doc": 0, "offset": 0,
                 "layout": {"frontier": frontier, "count": new_count, "index": q,
                            "holes": [[g, o] for g, o in sorted(holes.items())]},
-                "pending": [int(x) for x in (pending if q == 0 else np.zeros_like(pending))]})
+                "pending": [int(x) for x in (pending if q == 0 else np.zeros_like(pending))],
+                "records": [int(x) for x in (records if q == 0 else np.zeros_like(records))]})
   return out
 
 
@@ -605,7 +623,7 @@ def _build(config: dict, reader_init: Mapping[str, dict] | None) -> tuple[grain.
     length_struct.update(vision_patches=max_patches_row, vision_grids=max_grids_row)
   packed = FirstFitPackIterDataset(mixed, length_struct=length_struct, num_packing_bins=batch_size,
                                    shuffle_bins=False, meta_features=(_STATS,))
-  packed = packed.map(_SumStats(len(specs) * len(REASONS) + _LENGTH_STATS))
+  packed = packed.map(_SumStats(_stats_width(len(specs))))
   ids = tok.special_ids
   no_loss = [ids[tokenizer_lib.IMAGE_PAD], ids[tokenizer_lib.IMAGE_END], ids[tokenizer_lib.VIDEO_END]]
   ds = packed.batch(batch_size, drop_remainder=True).map(_Finalize(no_loss, with_vision))
@@ -615,9 +633,10 @@ def _build(config: dict, reader_init: Mapping[str, dict] | None) -> tuple[grain.
 class DataIterator(grain.DatasetIterator):
   """The batch iterator: a grain DatasetIterator with a JSON-native, restorable state.
 
-  `metrics()` gives cumulative per-source skip counters ("errors/<source>/<reason>"), batches,
-  and of the last batch the padding fraction and the share of tokens from documents longer than
-  seq_len / 2 (`long_doc_share`); the counters are part of the state.
+  `metrics()` gives cumulative per-source skip counters ("errors/<source>/<reason>"), record
+  counters ("records/<source>/read", ".../skipped": records read, and those skipped wholly or in
+  part), batches, and of the last batch the padding fraction and the share of tokens from
+  documents longer than seq_len / 2 (`long_doc_share`); the counters are part of the state.
   """
 
   def __init__(self, config: dict, reader_init: Mapping[str, dict] | None = None):
@@ -627,16 +646,19 @@ class DataIterator(grain.DatasetIterator):
     super().__init__()
     self._it = iter(ds)
     self._errors = np.zeros((len(config["sources"]), len(REASONS)), np.int64)
+    self._records = np.zeros((len(config["sources"]), len(RECORD_COUNTS)), np.int64)
     self._batches = 0
     self._last_padding = 0.0
     self._last_long_share = 0.0
 
   def __next__(self) -> dict[str, np.ndarray]:
     batch = dict(next(self._it))
-    n_err = len(self._config["sources"]) * len(REASONS)
-    stats = np.asarray(batch.pop(_STATS)).reshape(-1, n_err + _LENGTH_STATS)
-    self._errors += stats[:, :n_err].reshape(-1, len(self._config["sources"]), len(REASONS)).sum(axis=0)
-    long_tokens, tokens = stats[:, n_err:].sum(axis=0)
+    n_src = len(self._config["sources"])
+    n_err, n_rec = n_src * len(REASONS), n_src * len(RECORD_COUNTS)
+    stats = np.asarray(batch.pop(_STATS)).reshape(-1, _stats_width(n_src)).sum(axis=0)
+    self._errors += stats[:n_err].reshape(self._errors.shape)
+    self._records += stats[n_err:n_err + n_rec].reshape(self._records.shape)
+    long_tokens, tokens = stats[n_err + n_rec:]
     self._last_long_share = float(long_tokens / tokens) if tokens else 0.0
     self._batches += 1
     self._last_padding = padding_fraction(batch)
@@ -653,11 +675,14 @@ class DataIterator(grain.DatasetIterator):
     for s, spec in enumerate(self._config["sources"]):
       for r, reason in enumerate(REASONS):
         out[f"errors/{spec}/{reason}"] = float(self._errors[s, r])
+      for c, count in enumerate(RECORD_COUNTS):
+        out[f"records/{spec}/{count}"] = float(self._records[s, c])
     return out
 
   def get_state(self) -> dict[str, Any]:
     state = {"config": copy.deepcopy(self._config), "grain": _to_json_types(self._it.get_state()),
-             "errors": self._errors.tolist(), "batches": self._batches}
+             "errors": self._errors.tolist(), "records": self._records.tolist(),
+             "batches": self._batches}
     if self._idle:
       state["idle"] = copy.deepcopy(self._idle)
     return state
@@ -692,6 +717,8 @@ class DataIterator(grain.DatasetIterator):
     else:
       self._restart(reader_states(state))
     self._errors = np.asarray(state.get("errors", np.zeros_like(self._errors)), np.int64).reshape(self._errors.shape)
+    self._records = np.asarray(state.get("records", np.zeros_like(self._records)),   # older states: none
+                               np.int64).reshape(self._records.shape)
     self._batches = int(state.get("batches", 0))
 
   def _set_from_hosts(self, host_states: Sequence[Mapping[str, Any]]) -> None:
@@ -713,6 +740,9 @@ class DataIterator(grain.DatasetIterator):
     self._restart(init)
     errors = np.sum([np.asarray(s.get("errors", 0), np.int64) for s in host_states], axis=0)
     self._errors = (errors if q == 0 else np.zeros_like(errors)).reshape(self._errors.shape)
+    records = np.sum([np.asarray(s.get("records", np.zeros_like(self._records)), np.int64)
+                      for s in host_states], axis=0).reshape(self._records.shape)
+    self._records = records if q == 0 else np.zeros_like(records)
     self._batches = int(max(s.get("batches", 0) for s in host_states))
 
   def _restart(self, init: Mapping[str, dict]) -> None:

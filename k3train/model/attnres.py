@@ -14,6 +14,7 @@ from k3train.parallel import axes as ax
 from k3train.model import layers
 
 
+@jax.named_scope("attnres")
 def attn_res_mix(sources_nbtd: jax.Array, num_valid: jax.Array | int, query_d: jax.Array,
                  gain_d: jax.Array, eps: float) -> jax.Array:
   """AR(V) = Σ_i softmax_i(rms_normalise(V_i) · (γ ⊙ w)) V_i over the first `num_valid` sources.

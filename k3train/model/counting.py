@@ -3,6 +3,8 @@
 Active parameters per token = total − routed-expert parameters × (1 − top_k / num_experts).
 The vision tower and its projector (model.vision) are counted apart, under "vision": the totals,
 active count and components above are the text model's (a text token never runs the tower).
+The multi-token-prediction module (model.mtp) is counted apart too, under "mtp", as released
+model sizes leave it out: it trains beside the model and serves only as a draft in decoding.
 The command line is `python -m k3train.tools.count_params`.
 """
 
@@ -23,8 +25,12 @@ def count(cfg) -> dict:
   params = nnx.state(model, nnx.Param)
   by_component: dict[str, int] = {}
   vision: dict[str, int] = {}
+  mtp = 0
   for path, leaf in nnx.to_flat_state(params):
     n = math.prod(leaf.shape)
+    if str(path[0]) == "mtp":
+      mtp += n
+      continue
     if str(path[0]) == "vision":
       comp = _classify_vision(path)
       vision[comp] = vision.get(comp, 0) + n
@@ -38,6 +44,8 @@ def count(cfg) -> dict:
   out = {"total_params": int(total), "active_params": int(round(active)),
          "components": {k: {"params": v, "share": round(v / total, 5)}
                         for k, v in sorted(by_component.items(), key=lambda kv: -kv[1])}}
+  if mtp:
+    out["mtp"] = {"total_params": mtp}
   if vision:
     n_vision = sum(vision.values())
     out["vision"] = {"total_params": n_vision,

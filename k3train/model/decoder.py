@@ -5,7 +5,9 @@ first MLA layer), `lax.scan` over identical super-blocks [KDA, KDA, KDA, MLA] (e
 and an unscanned suffix (K3: the final extra MLA layer). Each sublayer input is an AttnRes mix
 over completed block sums and the running partial sum (docs/maths.md §3.2). With model.vision on,
 the vision tower's tokens replace the placeholder embeddings before the first layer
-(k3train/model/vision.py, docs/maths.md §6).
+(k3train/model/vision.py, docs/maths.md §6). With model.mtp on, the model also owns the
+multi-token-prediction module (k3train/model/mtp.py, docs/maths.md §8), created after everything
+else and run by the train step from `hidden_states` (`mtp_hidden`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from k3train.model import layers
 from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from k3train.model.moe import StableLatentMoE
+from k3train.model.mtp import MTPModule
 from k3train.model import vision as vision_lib
 
 
@@ -116,6 +119,10 @@ class K3Model(nnx.Module):
     self.vision = nnx.data(vision_lib.VisionTower(w, d_model=m.d_model, remat_policy=m.remat_policy,
                                                   dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                            if self.placeholder_id is not None else None)
+    # The MTP module comes after the tower, so neither changes the other parameters' initial values.
+    t = m.get("mtp")
+    self.mtp_loss_weight = float(t.loss_weight) if t is not None and t.enabled else 0.0
+    self.mtp = nnx.data(MTPModule(m, rngs=rngs) if t is not None and t.enabled else None)
 
   def _run_stack(self, stream, segment_ids_bt, token_mask_bt):
     sched = self.schedule
@@ -137,19 +144,26 @@ class K3Model(nnx.Module):
 
   def _run_layer(self, layer, stream, index: int, segment_ids_bt, token_mask_bt):
     """One unscanned layer, rematerialised under the same policy as the scanned stack."""
-    if self.remat_policy == "none":
+    def call(layer, stream, segment_ids_bt, token_mask_bt):
       return layer(stream, jnp.int32(index), segment_ids_bt, token_mask_bt)
-    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    return self._remat(layer, call, stream, segment_ids_bt, token_mask_bt)
 
-    def run(params, rest, stream, segment_ids_bt, token_mask_bt):
-      layer = nnx.merge(graphdef, params, rest)
-      stream = layer(stream, jnp.int32(index), segment_ids_bt, token_mask_bt)
-      return stream, nnx.state(layer, nnx.Not(nnx.Param))
+  def _remat(self, module, fn, *args):
+    """fn(module, *args) rematerialised under model.remat_policy (an unscanned layer, the MTP
+    block); the variables the forward writes are carried out of the checkpointed function."""
+    if self.remat_policy == "none":
+      return fn(module, *args)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def run(params, rest, *args):
+      inner = nnx.merge(graphdef, params, rest)
+      out = fn(inner, *args)
+      return out, nnx.state(inner, nnx.Not(nnx.Param))
 
     run = jax.checkpoint(run, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=True)
-    stream, new_rest = run(params, rest, stream, segment_ids_bt, token_mask_bt)
-    nnx.update(layer, new_rest)
-    return stream
+    out, new_rest = run(params, rest, *args)
+    nnx.update(module, new_rest)
+    return out
 
   def hidden_states(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None, vision=None) -> jax.Array:
     """The final AttnRes mix before the norm, [B, T, d] (also the MTP input).
@@ -174,6 +188,18 @@ class K3Model(nnx.Module):
                                token_mask_bt)
     blocks, num_blocks, p = stream
     return self.out_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
+
+  def mtp_hidden(self, h_btd, next_tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
+    """The MTP module's normalised output [B, T, d] at every position i (its `lm_head` logits
+    predict t_{i+2}) from `hidden_states` h and the next tokens t_{i+1} (the batch's targets);
+    rematerialised like a layer. Needs model.mtp on."""
+    if self.mtp is None:
+      raise ValueError("the model has no MTP module (model.mtp.enabled is false)")
+    if token_mask_bt is None:
+      token_mask_bt = jnp.ones(next_tokens_bt.shape, jnp.float32)
+    next_embed = constrain(self.embed(next_tokens_bt), ax.BATCH, ax.SEQ, ax.EMBED)
+    return self._remat(self.mtp, lambda mtp, *args: mtp(*args), h_btd, next_embed, segment_ids_bt,
+                       token_mask_bt)
 
   def __call__(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None, vision=None) -> jax.Array:
     h = self.hidden_states(tokens_bt, segment_ids_bt, token_mask_bt, vision)

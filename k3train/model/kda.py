@@ -106,6 +106,7 @@ class KimiDeltaAttention(nnx.Module):
     self.o_norm = layers.RMSNorm(k, eps=norm_eps, name=ax.HEAD_DIM, param_dtype=param_dtype, rngs=rngs)
     self.o_proj = layers.Linear((h, k), (d_model,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), **kw)
 
+  @jax.named_scope("kda")
   def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
     act = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     def branch(proj, conv):

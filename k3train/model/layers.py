@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,12 +34,51 @@ def param(rngs: nnx.Rngs | None, init, shape: Shape, names: Axes, dtype=jnp.floa
   return nnx.Param(init(key, tuple(shape), dtype), out_sharding=tuple(names), eager_sharding=False)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def low_precision_matmul(x: jax.Array, w: jax.Array, n_in: int, dtype) -> jax.Array:
+  """x · w contracting x's trailing n_in dims with w's leading n_in dims, in `dtype` (bf16) with
+  fp32 accumulation; the result in `dtype`.
+
+  The backward pass keeps the forward's precision: the cotangent is rounded to `dtype` once, the
+  input gradient is a `dtype` × `dtype` matmul with fp32 accumulation and the weight gradient
+  comes back in w's own dtype (fp32 master weights get an fp32-accumulated gradient). Plain
+  autodiff of `dot(...).astype(dtype)` would instead feed an fp32 cotangent into both backward
+  matmuls, which then run as fp32 (TF32) GEMMs after extra convert passes.
+  """
+  return _matmul_fwd(x, w, n_in, dtype)[0]
+
+
+def _contract(a, b, a_dims, b_dims, out_dtype):
+  return jax.lax.dot_general(a, b, ((a_dims, b_dims), ((), ())),
+                             preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _matmul_fwd(x, w, n_in, dtype):
+  xc, wc = x.astype(dtype), w.astype(dtype)
+  y = _contract(xc, wc, tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)), dtype)
+  # Scalars standing in for the input dtypes (residuals must be arrays).
+  return y, (xc, wc, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
+
+
+def _matmul_bwd(n_in, dtype, residuals, g):
+  xc, wc, x_like, w_like = residuals
+  g = g.astype(dtype)
+  n_batch = xc.ndim - n_in
+  dx = _contract(g, wc, tuple(range(n_batch, g.ndim)), tuple(range(n_in, wc.ndim)), x_like.dtype)
+  dw = _contract(xc, g, tuple(range(n_batch)), tuple(range(n_batch)), w_like.dtype)
+  return dx, dw
+
+
+low_precision_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
 class Linear(nnx.Module):
   """y = x · W contracting the trailing `in_shape` dims of x with the leading dims of W.
 
   The kernel has shape `in_shape + out_shape` (e.g. [d, heads, head_dim] for a per-head
   projection) so that heads are a real axis: tensor parallelism shards it and per-head Muon
-  treats it as a batch axis. Matmul runs in `dtype` with fp32 accumulation.
+  treats it as a batch axis. Matmul runs in `dtype` with fp32 accumulation; below fp32 its
+  backward matmuls run in `dtype` too (`low_precision_matmul`).
   """
 
   def __init__(self, in_shape: Shape, out_shape: Shape, names: Axes, *, std: float = 0.02,
@@ -51,6 +92,8 @@ class Linear(nnx.Module):
     n_in = len(self.in_shape)
     if x.shape[x.ndim - n_in:] != self.in_shape:
       raise ValueError(f"Linear expects trailing dims {self.in_shape}, got input shape {x.shape}")
+    if jnp.dtype(self.dtype).itemsize < 4:
+      return low_precision_matmul(x, self.kernel[...], n_in, self.dtype)
     lhs_contract = tuple(range(x.ndim - n_in, x.ndim))
     rhs_contract = tuple(range(n_in))
     y = jax.lax.dot_general(
@@ -60,6 +103,7 @@ class Linear(nnx.Module):
     return y.astype(self.dtype)
 
 
+@jax.named_scope("norm")
 def rms_norm(x: jax.Array, gain: jax.Array | None, eps: float) -> jax.Array:
   """RMSNorm over the last axis in fp32; returns x's dtype."""
   x32 = x.astype(jnp.float32)

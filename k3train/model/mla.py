@@ -70,6 +70,7 @@ class GatedMLA(nnx.Module):
     k_c, v = kv[..., :self.nope], kv[..., self.nope:]
     return q_c, q_r, k_c, k_r, v
 
+  @jax.named_scope("mla")
   def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
     q_c, q_r, k_c, k_r, v = self.project_qkv(x_btd)
     # One 192-wide q·k per head: [q_c, q_r]·[k_c, k_r] = q_c·k_c + q_r·k_r (k_r shared by heads).

@@ -9,7 +9,8 @@ kernel layouts of `k3train/model` (heads and experts are real axes):
                    [kv_lora, nope] and v [kv_lora, v] (see "kv_b split" below).
   muon_per_expert  routed experts gate/up/down [E, in, out]: one [in, out] block per expert.
   muon_matrix      the other 2-D weights: MoE latent down/up, shared-expert and dense FFN
-                   kernels, MLA q_a_proj / kv_a_proj, KDA f_a_proj and b_proj.
+                   kernels, MLA q_a_proj / kv_a_proj, KDA f_a_proj and b_proj, the MTP
+                   module's fusion projection.
   adamw            embedding, lm_head, RMSNorm gains, A_log, dt_bias, conv kernels, AttnRes
                    query / norm_scale, router weight.
 
@@ -66,9 +67,9 @@ PER_HEAD_IN_OUT = frozenset({"q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj",
                              "kv_b_proj"})
 # Linear modules whose kernel is [H, head_dim, d]: reduction = head_dim, output = d, H batch.
 PER_HEAD_OUT_PROJ = frozenset({"o_proj"})
-# Linear modules whose kernel is one [in, out] matrix.
+# Linear modules whose kernel is one [in, out] matrix ("proj": the MTP module's 2d → d fusion).
 WHOLE_MATRIX = frozenset({"q_a_proj", "kv_a_proj", "f_a_proj", "b_proj",
-                          "gate_proj", "up_proj", "down_proj"})
+                          "gate_proj", "up_proj", "down_proj", "proj"})
 # RoutedExperts parameters [E, in, out].
 EXPERT_WEIGHTS = frozenset({"gate", "up", "down"})
 # Leaves never weight-decayed, by name (norm gains, gate biases / rates, conv kernels, AttnRes

@@ -36,12 +36,36 @@ def decay_mask(params):
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def is_router_weight(names) -> bool:
+  """The MoE router's [d, E] weight (its path ends in router/weight)."""
+  return len(names) >= 2 and names[-2:] == ("router", "weight")
+
+
+def scale_router_updates(factor: float) -> optax.GradientTransformation:
+  """Multiplies the router weight's final update by `factor` (its learning-rate factor: weight
+  decay included), leaving every other leaf's update as it is."""
+  def update(updates, state, params=None):
+    del params
+    scaled = jax.tree_util.tree_map_with_path(
+        lambda path, u: u * factor if is_router_weight(tuple(path_names(path))) else u, updates)
+    return scaled, state
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(cfg: ml_collections.ConfigDict, params_like=None) -> optax.GradientTransformation:
   """The optax chain for `cfg.optim` over `cfg.train.steps` steps.
 
   `params_like` (the parameter tree, shapes suffice) is needed for Muon, whose per-head /
   per-expert / whole-matrix partition is derived from parameter paths.
   """
+  o = cfg.optim
+  base = _base_optimizer(cfg, params_like)
+  if o.router_lr_factor == 1.0:
+    return base
+  return optax.chain(base, scale_router_updates(o.router_lr_factor))
+
+
+def _base_optimizer(cfg: ml_collections.ConfigDict, params_like) -> optax.GradientTransformation:
   o = cfg.optim
   schedule = learning_rate_schedule(o, cfg.train.steps)
   if o.optimizer == "muon":

@@ -25,7 +25,7 @@ from k3train.model.decoder import abstract_model
 from k3train.optim.optimizer import make_optimizer
 from k3train.train import layout as layout_lib
 from k3train.train import metrics as metrics_lib
-from k3train.train.step import TrainState, make_train_step
+from k3train.train.step import TrainState, make_train_step, mtp_metrics
 
 
 @dataclasses.dataclass
@@ -59,14 +59,44 @@ def abstract_state(cfg: ml_collections.ConfigDict) -> AbstractState:
   return AbstractState(params, rest, jax.eval_shape(optimizer.init, params))
 
 
+def restore_target(cfg: ml_collections.ConfigDict, layout: layout_lib.Layout):
+  """(graphdef, the run's TrainState as ShapeDtypeStructs, TrainState of shardings) on `layout`:
+  what a checkpoint restores into when nothing needs initialising (evaluation, export)."""
+  import jax.numpy as jnp
+  from k3train.parallel import state_sharding
+  graphdef, params, rest = nnx.split(abstract_model(cfg.model), nnx.Param, ...)
+  opt = jax.eval_shape(make_optimizer(cfg, params).init, params)
+  p_sh = state_sharding.nnx_state_shardings(params, layout.rules, layout.mesh)
+  r_sh = state_sharding.nnx_state_shardings(rest, layout.rules, layout.mesh)
+  o_sh = state_sharding.mirror_shardings(opt, params, p_sh, layout.mesh)
+  rep = layout.replicated
+  shardings = TrainState(rep, p_sh, r_sh, o_sh, rep, rep)
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+  like = TrainState(scalar(jnp.int32), params, rest, opt, scalar(jnp.float32), scalar(jnp.int32))
+  sds = lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+  return graphdef, jax.tree.map(sds, like, shardings), shardings
+
+
 def train_step_fn(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.GradientTransformation):
-  """The un-jitted train step with the config's optimizer-side settings."""
+  """The un-jitted train step with the config's optimizer-side settings; with model.mtp on its
+  metrics also hold "mtp_loss" and "mtp_tokens"."""
   o = cfg.optim
-  return make_train_step(graphdef, optimizer, loss_spike_factor=o.loss_spike_factor,
+  step = make_train_step(graphdef, optimizer, loss_spike_factor=o.loss_spike_factor,
                          loss_spike_ema=o.loss_spike_ema,
                          qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
                          mla_nope_dim=cfg.model.mla.qk_nope_head_dim,
                          microbatches=cfg.train.microbatches, quant=cfg.model.quant)
+  return with_mtp_metrics(step) if cfg.model.mtp.enabled else step
+
+
+def with_mtp_metrics(train_step: Callable) -> Callable:
+  """train_step whose metrics add the MTP loss per MTP position and the positions' number, read
+  from the state the forward wrote (a step the loss-spike guard skipped shows the previous
+  step's values, since it keeps the old state)."""
+  def step(state: TrainState, batch: dict):
+    new_state, metrics = train_step(state, batch)
+    return new_state, {**metrics, **mtp_metrics(new_state.rest)}
+  return step
 
 
 def jit_train_step(cfg, graphdef, optimizer, layout: layout_lib.Layout, shardings: TrainState):
@@ -103,4 +133,4 @@ def build(cfg: ml_collections.ConfigDict, *, devices=None, log: Callable[[str], 
 
 
 __all__ = ["AbstractState", "ModelSize", "Run", "abstract_state", "build", "jit_train_step",
-           "model_size", "train_step_fn"]
+           "model_size", "restore_target", "train_step_fn", "with_mtp_metrics"]

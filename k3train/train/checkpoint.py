@@ -3,7 +3,8 @@
 Each checkpoint holds three items: `state` (step, parameters, optimizer state, router biases and
 other model variables, as a flat {path: array} dict), `data_iter` (the grain iterator state,
 JSON) and `config` (the config that produced it, JSON). Orbax writes into a temporary folder and
-renames it when complete, so an interrupted save never damages an earlier checkpoint.
+renames it when complete, so an interrupted save never damages an earlier checkpoint; the train
+loop's Checkpointer removes such unfinished folders when it opens the directory.
 
 Damage from outside (a truncated or deleted file, unparsable metadata, an empty step folder) is
 found before use: `latest_step()` checks the newest checkpoints' items and metadata, `restore()`
@@ -27,11 +28,13 @@ import orbax.checkpoint as ocp
 from k3train import config as config_lib
 from k3train.tree_paths import path_names
 
-# Config sections that must match between a checkpoint and the run that restores it, and the
-# keys inside them that may change between curriculum stages.
-MUST_MATCH = ("model", "data")
+# Config sections (or single keys) that must match between a checkpoint and the run that restores
+# it — the model, the data stream and the optimizer kind (which shapes the optimizer state) — and
+# the keys inside them that may change between curriculum stages or runs.
+MUST_MATCH = ("model", "data", "optim.optimizer")
 MAY_CHANGE = tuple(f"data.{key}" for key in config_lib.DATA_STAGE_KEYS) + (
-    "data.max_unusable_records", "data.max_unusable_seconds")
+    "data.max_unusable_records", "data.max_unusable_seconds", "data.skip_warn_fraction")
+ABSENT = "<absent>"
 
 
 ITEMS = ("state", "data_iter", "config")
@@ -94,15 +97,80 @@ def unflatten_state(flat: dict[str, Any], like):
   return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in keys])
 
 
-def _config_diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
-  diffs = []
-  for key in sorted(set(saved) | set(current)):
-    a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
-    if isinstance(a, dict) and isinstance(b, dict):
-      diffs += _config_diff(a, b, f"{prefix}{key}.")
-    elif (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
-      diffs.append(f"{prefix}{key}: checkpoint {a!r} vs now {b!r}")
-  return diffs
+def _lookup(tree: dict, dotted: str):
+  """The value at `dotted` ("optim.optimizer") in a JSON config, or ABSENT."""
+  for part in dotted.split("."):
+    if not isinstance(tree, dict) or part not in tree:
+      return ABSENT
+    tree = tree[part]
+  return tree
+
+
+def _plain(value):
+  """Lists for tuples, so that a JSON round trip does not count as a change."""
+  return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _config_diff(saved, current, key: str) -> list[tuple[str, Any, Any]]:
+  """(dotted key, checkpoint value, current value) of every leaf that differs under `key`."""
+  if isinstance(saved, dict) or isinstance(current, dict):
+    saved = saved if isinstance(saved, dict) else {}
+    current = current if isinstance(current, dict) else {}
+    return [d for k in sorted(set(saved) | set(current))
+            for d in _config_diff(saved.get(k, ABSENT), current.get(k, ABSENT), f"{key}.{k}")]
+  return [] if _plain(saved) == _plain(current) else [(key, saved, current)]
+
+
+def config_diffs(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+  """The MUST_MATCH keys (outside MAY_CHANGE) whose values differ between two JSON configs."""
+  return [d for key in MUST_MATCH
+          for d in _config_diff(_lookup(saved, key), _lookup(current, key), key)
+          if d[0] not in MAY_CHANGE]
+
+
+def _short(value, limit: int = 40) -> str:
+  text = value if value is ABSENT else repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def mismatch_message(directory: str, step: int, diffs, shown: int = 4) -> str:
+  """One line naming the first few differing keys with both values, and how many more."""
+  listed = ", ".join(f"{key} (checkpoint {_short(a)}, now {_short(b)})" for key, a, b in diffs[:shown])
+  more = f", and {len(diffs) - shown} more" if len(diffs) > shown else ""
+  count = f"{len(diffs)} key{'s' if len(diffs) > 1 else ''} differ{'' if len(diffs) > 1 else 's'}"
+  return (f"the checkpoint at {directory} (step {step}) was written with a different config "
+          f"({count}): {listed}{more}. Use a new --workdir, or restore the original config values.")
+
+
+def newest_saved_config(directory: str) -> tuple[int, dict] | None:
+  """(step, config) of the newest checkpoint in `directory` whose config item reads, or None.
+
+  Read-only and cheap (one small JSON file): nothing is created, moved aside or built, so a run
+  can call it before it builds the model. Damage is left to `Checkpointer.latest_step`."""
+  from etils import epath
+  try:
+    steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True)
+  except OSError:
+    return None
+  for step in steps:
+    try:
+      return step, ocp.JsonCheckpointHandler().restore(epath.Path(directory) / str(step) / "config")
+    except Exception:   # unreadable: the run moves it aside and uses an older one
+      continue
+  return None
+
+
+def check_before_build(directory: str, config_at) -> None:
+  """Refuses a run whose config differs from the one its newest checkpoint was written with
+  (MUST_MATCH / MAY_CHANGE); `config_at(step)` is the run's config for resuming at `step` (a
+  curriculum stage's). Reads one JSON file and writes nothing."""
+  found = newest_saved_config(os.path.abspath(directory))
+  if found is None:
+    return
+  step, saved = found
+  diffs = config_diffs(saved, config_to_json(config_at(step)))
+  if diffs:
+    raise CheckpointMismatchError(mismatch_message(os.path.abspath(directory), step, diffs))
 
 
 def config_to_json(cfg: ml_collections.ConfigDict) -> dict:
@@ -112,13 +180,16 @@ def config_to_json(cfg: ml_collections.ConfigDict) -> dict:
 class Checkpointer:
   """Saves (asynchronously by default) and restores train state + data state + config."""
 
-  def __init__(self, directory: str, cfg: ml_collections.ConfigDict):
+  def __init__(self, directory: str, cfg: ml_collections.ConfigDict, *,
+               remove_unfinished: bool = False):
+    """`remove_unfinished` deletes the half-written saves a killed run left behind; only the run
+    that owns the directory may ask for it (any other reader would delete a live run's save)."""
     self.directory = os.path.abspath(directory)
     self.cfg = cfg
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.checkpoint.max_to_keep,
         enable_async_checkpointing=cfg.checkpoint.async_save,
-        create=True)
+        create=True, cleanup_tmp_directories=remove_unfinished)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
     self.tried: list[str] = []          # "step N: reason" of every checkpoint moved aside
     self.restored_step: int | None = None
@@ -221,16 +292,13 @@ class Checkpointer:
     return self.manager.save(step, args=args, force=force)
 
   def check_config(self, step: int) -> None:
+    """Refuses restoring `step` under a config that differs in a MUST_MATCH key. `main` checks
+    the newest checkpoint before building (`check_before_build`); this guards every restore,
+    including an older checkpoint used in place of a damaged one and `loop.train` callers."""
     saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    current = config_to_json(self.cfg)
-    diffs = [d for section in MUST_MATCH
-             for d in _config_diff(saved.get(section, {}), current.get(section, {}), section + ".")
-             if d.split(":", 1)[0] not in MAY_CHANGE]
+    diffs = config_diffs(saved, config_to_json(self.cfg))
     if diffs:
-      shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
-      raise CheckpointMismatchError(
-          f"the checkpoint at {self.directory} (step {step}) was written with a different config: "
-          f"{shown}. Use a new --workdir, or restore the original config values.")
+      raise CheckpointMismatchError(mismatch_message(self.directory, step, diffs))
 
   def restore(self, step: int, like_state, *, earliest: int = 0):
     """(state, data_state) at `step`; `like_state` gives the structure, shapes and shardings.

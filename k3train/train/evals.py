@@ -2,6 +2,7 @@
 
     evaluator = evals.Evaluator(stage_cfg, run)     # one compiled forward for the stage's [B, T]
     metrics = evaluator(state)                      # {"eval/loss": ..., "eval/retrieval/passkey": ...}
+    held_out = evaluator.held_out(state)            # the loss part only (python -m k3train.tools.eval)
 
 Every eval reads the same rows, so evals of one stage compare across steps:
 
@@ -20,8 +21,10 @@ Every eval reads the same rows, so evals of one stage compare across steps:
                   token is right (teacher forcing): "eval/retrieval/<task>" = share of correct
                   rows, and their mean "eval/retrieval/mean".
 
-The forward is the training forward (text only: vision inputs are not fed) on the stage's mesh;
-nothing of the state changes.
+The forward is the training forward (text only: vision inputs are not fed; the next-token head
+only, never the MTP module) on the stage's mesh; nothing of the state changes. The loop calls the
+evaluator every eval.every_steps steps; `python -m k3train.tools.eval` calls `held_out` on a
+restored checkpoint.
 """
 
 from __future__ import annotations
@@ -107,6 +110,11 @@ class Evaluator:
     return jax.device_get(self.step(state.params, state.rest, batch))
 
   def __call__(self, state) -> dict[str, float]:
+    """Every eval of the stage: `held_out` and `retrieval`."""
+    return {**self.held_out(state), **self.retrieval(state)}
+
+  def held_out(self, state) -> dict[str, float]:
+    """The held-out loss (overall, per source, by position) and the tokens it counts."""
     out = {}
     total_sum = total_count = 0.0
     for spec, batches in self.held_out_batches().items():
@@ -125,6 +133,11 @@ class Evaluator:
         out[f"eval/tokens_by_pos/{lo}_{hi}"] = float(total_count[k])
         if total_count[k] > 0:
           out[f"eval/loss_by_pos/{lo}_{hi}"] = float(total_sum[k] / total_count[k])
+    return out
+
+  def retrieval(self, state) -> dict[str, float]:
+    """The retrieval accuracy of every task of eval.retrieval that fits the stage's length."""
+    out = {}
     scores = []
     for task in self.cfg.eval.retrieval:
       try:

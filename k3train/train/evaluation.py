@@ -199,17 +199,23 @@ def eval_set(cfg, *, rows: int | None = None, process_index: int = 0, process_co
 
 
 def make_loss_step(graphdef, layout=None):
-  """Jitted (params, rest, batch) → (mean next-token loss, loss tokens): the training loss of
-  k3train/train/step.py without gradients; nothing of the state changes. With a `layout` the
-  model traces on its mesh and rules and the two scalars come back replicated."""
+  """Jitted (params, rest, batch) → (mean next-token loss, loss tokens): the next-token part of
+  the training loss (k3train/train/step.py; never an MTP term) of any model called as K3Model,
+  without gradients; nothing of the state changes. With a `layout` the model traces on its mesh
+  and rules and the two scalars come back replicated."""
   import jax
+  import jax.numpy as jnp
+  from flax import nnx
   from k3train.train import step as step_lib
 
   def loss_step(params, rest, batch):
     scope = layout.activate() if layout is not None else contextlib.nullcontext()
     with scope:
-      loss, (_, tokens) = step_lib.forward_loss(graphdef, params, rest, batch)
-    return loss, tokens
+      model = nnx.merge(graphdef, params, rest, copy=True)
+      token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
+      logits = model(batch["tokens"], batch["segment_ids"], token_mask)
+      mask = step_lib.loss_mask_of(batch, getattr(model, "placeholder_id", None))
+      return step_lib.cross_entropy(logits, batch["targets"], mask)
 
   return jax.jit(loss_step, out_shardings=layout.replicated if layout is not None else None)
 

@@ -24,6 +24,8 @@ step's row holds the step's own scalars (loss, gradient norms, loss tokens, ...)
   lr             the learning rate the optimizer applied: the schedule it was built with (the
                  stage config's) at its update count (steps so far less skipped updates)
   data/skipped/<source>[/<reason>]  documents and media items the pipeline skipped, cumulative
+                 (a source skipping more than data.skip_warn_fraction of its records also gets
+                 a warning line on stderr: `SkipWarnings`)
   padding_fraction, long_doc_share (curriculum), stage and seq_len labels (curriculum)
 
 and every metrics.vectors_every steps vectors.jsonl gets `moe_load` [MoE layers, experts] (rows
@@ -38,6 +40,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -251,6 +254,53 @@ def _data_scalars(data, host_batch, data_cfg, staged: bool) -> dict:
   return row
 
 
+class SkipWarnings:
+  """Warns (stderr, process 0) when a source skips too much of what it reads.
+
+  A source's skip rate is the share of the records it has read (cumulative, this process's
+  share of the stream) that the pipeline skipped wholly or in part. Once MIN_RECORDS were read,
+  the first rate over `threshold` (data.skip_warn_fraction) warns; after that only a rate at
+  least RISE above the last warned one does, so a steadily bad source warns once per process
+  and a worsening one at most about ten times."""
+
+  MIN_RECORDS = 50     # fewer records read say little about the rate
+  RISE = 0.1           # a further warning once the rate has climbed 10 more points
+
+  def __init__(self, threshold: float):
+    self.threshold = float(threshold)
+    self._warned: dict[str, float] = {}
+
+  def __call__(self, counters: dict, specs) -> list[str]:
+    """The warning lines due for `counters` (DataIterator.metrics())."""
+    lines = []
+    for spec in specs:
+      read = counters.get(f"records/{spec}/read", 0.0)
+      skipped = counters.get(f"records/{spec}/skipped", 0.0)
+      if read < self.MIN_RECORDS:
+        continue
+      rate, last = skipped / read, self._warned.get(spec)
+      if rate <= self.threshold or (last is not None and rate < last + self.RISE):
+        continue
+      self._warned[spec] = rate
+      reasons = {r: int(counters.get(f"errors/{spec}/{r}", 0.0)) for r in pipeline.REASONS}
+      lines.append(skip_warning(spec, rate, int(skipped), int(read), reasons, self.threshold))
+    return lines
+
+
+def skip_warning(spec: str, rate: float, skipped: int, read: int, reasons: dict,
+                 threshold: float) -> str:
+  """The one-line warning about a source's skip rate, with its counts by reason."""
+  return (f"warning: data source {spec} skipped {100 * rate:.0f}% of records ({skipped:,} of "
+          f"{read:,} read; {sources_lib.skip_summary(reasons)}) — over "
+          f"data.skip_warn_fraction={threshold:g}")
+
+
+def _warn(msg: str) -> None:
+  """Warning lines go to stderr, from process 0 only (like progress lines)."""
+  if jax.process_index() == 0:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def moe_layer_numbers(model_cfg) -> list[int]:
   """The 1-based numbers of the MoE layers, in layer order: the rows of the `moe_load` metric."""
   return [i + 1 for i, (_, ffn) in enumerate(config_lib.layer_schedule(model_cfg).kinds)
@@ -279,8 +329,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     raise config_lib.ConfigError(
         f"train.global_batch_size={cfg.train.global_batch_size} must be divisible by the "
         f"{process_count} processes")
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), run_stages[0].cfg)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), run_stages[0].cfg, remove_unfinished=True)
   result = RunResult(start_step=0, end_step=0)
+  skip_warnings = SkipWarnings(cfg.data.skip_warn_fraction)
   with _StopFlag() as stop, _closing(ckpt):
     start = ckpt.latest_step() or 0
     result.start_step = result.end_step = start
@@ -301,7 +352,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
     with writers_lib.open_writers(workdir, cfg.metrics, process_index=jax.process_index(),
                                   config=wandb_config) as fh:
       for stage in todo:
-        step = _train_stage(stage, run_stages, step, end, ckpt, fh, stop, result,
+        step = _train_stage(stage, run_stages, step, end, ckpt, fh, stop, result, skip_warnings,
                             staged=staged, resumed=(stage is todo[0] and start > 0),
                             first_built=stage is todo[0])
         if result.stopped_by_signal or step >= end:
@@ -315,8 +366,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, stop_at_step: int | N
 
 
 def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt: Checkpointer, fh,
-                 stop: _StopFlag, result: RunResult, *, staged: bool, resumed: bool,
-                 first_built: bool) -> int:
+                 stop: _StopFlag, result: RunResult, skip_warnings: SkipWarnings, *, staged: bool,
+                 resumed: bool, first_built: bool) -> int:
   """Builds `stage`, restores step `start` onto it (if > 0), trains it to its end (or `end`),
   evaluates and checkpoints; returns the step reached."""
   cfg = stage.cfg
@@ -453,6 +504,8 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
       break
     host_batch = next(data)
     data_row = _data_scalars(data, host_batch, cfg.data, staged)
+    for line in skip_warnings(data.metrics(), cfg.data.sources):
+      _warn(line)
     meter.start()
     batch = layout.global_batch(host_batch)
     timings, carried = carried, {}

@@ -28,6 +28,7 @@ from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
 from k3train.parallel.state_sharding import VISION_BATCH_KEYS
 from k3train.model import moe
+from k3train.model import mtp as mtp_lib
 from k3train.model.mla import MaxLogit
 from k3train.optim.qk_clip import qk_clip
 from k3train.tree_paths import path_names
@@ -144,16 +145,51 @@ def loss_mask_of(batch: dict, placeholder_id: int | None) -> jax.Array:
   return batch["loss_mask"] * (batch["targets"] != placeholder_id).astype(batch["loss_mask"].dtype)
 
 
+def head_loss(model, x_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
+  """(mean cross-entropy over mask, number of counted tokens) of the shared output head on
+  normalised final hidden states x [B, T, d]; the main and the MTP loss both come through here."""
+  logits_btv = constrain(model.lm_head(x_btd), ax.BATCH, ax.SEQ, ax.VOCAB)
+  return cross_entropy(logits_btv, targets_bt, mask_bt)
+
+
 def forward_loss(graphdef, params, rest, batch):
-  """Loss and the updated non-parameter state for one batch (vision keys go to the tower)."""
+  """Loss and the updated non-parameter state for one batch (vision keys go to the tower).
+
+  The loss is the mean next-token cross-entropy over the loss tokens; with an MTP module
+  (model.mtp) plus λ · the MTP cross-entropy summed over its positions / the loss tokens
+  (k3train/model/mtp.py), so micro-batches weighted by their loss tokens stay exact."""
   model = nnx.merge(graphdef, params, rest, copy=True)  # fresh Variables at this trace level
   token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
   vision = {k: batch[k] for k in VISION_BATCH_KEYS if k in batch} or None
-  logits = model(batch["tokens"], batch["segment_ids"], token_mask, vision)
-  loss, n_tokens = cross_entropy(logits, batch["targets"],
-                                 loss_mask_of(batch, getattr(model, "placeholder_id", None)))
+  mask = loss_mask_of(batch, getattr(model, "placeholder_id", None))
+  h = model.hidden_states(batch["tokens"], batch["segment_ids"], token_mask, vision)
+  loss, n_tokens = head_loss(model, model.final_norm(h), batch["targets"], mask)
+  if getattr(model, "mtp", None) is not None:
+    mtp_sum = mtp_ce_sum(model, h, batch, mask, token_mask)
+    loss = loss + model.mtp_loss_weight * mtp_sum / jnp.maximum(n_tokens, 1.0)
   _, _, new_rest = nnx.split(model, nnx.Param, ...)
   return loss, (new_rest, n_tokens)
+
+
+def mtp_ce_sum(model, h_btd: jax.Array, batch: dict, mask_bt: jax.Array, token_mask_bt: jax.Array):
+  """The MTP cross-entropy (fp32) summed over the batch's MTP positions, from the main hidden
+  states h [B, T, d]; the sum and the positions' number go to the module's MTPStats."""
+  targets, mtp_mask = mtp_lib.mtp_targets(batch["targets"], mask_bt, batch["segment_ids"])
+  x = model.mtp_hidden(h_btd, batch["targets"], batch["segment_ids"], token_mask_bt)
+  ce, n = head_loss(model, x, targets, mtp_mask)
+  ce_sum = ce * n
+  model.mtp.stats[...] = jax.lax.stop_gradient(jnp.stack([ce_sum, n]))
+  return ce_sum
+
+
+def mtp_metrics(rest) -> dict:
+  """{"mtp_loss": MTP cross-entropy per MTP position, "mtp_tokens": MTP positions} of the last
+  forward, from the MTPStats in `rest`; {} for a model without an MTP module."""
+  stats = _collect(rest, mtp_lib.MTPStats)
+  if not stats:
+    return {}
+  ce_sum, n = stats[0][0], stats[0][1]
+  return {"mtp_loss": ce_sum / jnp.maximum(n, 1.0), "mtp_tokens": n}
 
 
 def _micro_batches(batch: dict, microbatches: int) -> dict:
@@ -167,11 +203,11 @@ def _micro_batches(batch: dict, microbatches: int) -> dict:
 def _combine_rest(rest_stacked):
   """Reduce forward-written state stacked over micro-batches (leading axis N), by variable kind."""
   def reduce(v):
-    if isinstance(v, moe.ExpertLoad):
+    if isinstance(v, (moe.ExpertLoad, mtp_lib.MTPStats)):
       return v.replace(jnp.sum(v[...], axis=0))
     if isinstance(v, MaxLogit):
       return v.replace(jnp.max(v[...], axis=0))
-    if isinstance(v, moe.QBPending):
+    if isinstance(v, (moe.QBPending, moe.QBSensitivity)):
       return v.replace(jnp.mean(v[...], axis=0))
     return v.replace(v[...][-1])
   return jax.tree.map(reduce, rest_stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -272,12 +308,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
     with moe.expert_quantization(qat, qat_on, weights_quantized=True):
       (loss, (rest, n_tokens)), grads = loss_and_grads(graphdef, params_fwd, state.rest, batch,
                                                        microbatches)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     clip_stats = {}
     if qk_clip_tau is not None:
       params, clip_stats = qk_clip(params, rest, tau=qk_clip_tau, nope=mla_nope_dim)
-    rest = moe.qb_bias_update(rest)
+    rest = moe.qb_bias_update(rest, state.params, params)
     skip, loss_ema = spike_guard(loss, state.loss_ema, factor=loss_spike_factor, decay=loss_spike_ema)
     if loss_spike_factor > 0:  # a skipped step keeps parameters, optimizer state and router biases
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)

@@ -35,7 +35,7 @@ EXPECTED_GROUP = {
     **{n: "muon_per_head" for n in ("q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "o_proj",
                                      "q_b_proj", "kv_b_proj")},
     **{n: "muon_matrix" for n in ("q_a_proj", "kv_a_proj", "f_a_proj", "b_proj", "gate_proj",
-                                   "up_proj", "down_proj")},
+                                   "up_proj", "down_proj", "proj")},
 }
 
 

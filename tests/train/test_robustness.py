@@ -1,4 +1,6 @@
-"""Faults a run must survive or stop on cleanly: non-finite updates, damaged checkpoints.
+"""Faults a run must survive or stop on cleanly: non-finite updates, damaged checkpoints, bad
+data (a stop when nothing is usable, a warning when much is skipped) and a checkpoint of another
+config (refused before the model is built). Random kills: tests/train/test_preemption.py.
 
 End-to-end cases reuse the one shared tiny config of tests/train/test_train.py (one compiled
 step); checkpoint damage is mostly tested on small Checkpointer states, which need no model.
@@ -6,7 +8,9 @@ step); checkpoint damage is mostly tested on small Checkpointer states, which ne
 
 import dataclasses
 import glob
+import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -269,3 +273,97 @@ def test_an_unknown_data_source_is_refused_before_anything_is_written(tmp_path):
   assert len(lines) == 1, lines
   assert lines[0].startswith("python -m k3train.main: error: ") and "unknown data source 'nosuch'" in lines[0]
   assert not workdir.exists()
+
+
+# --- a source that skips much of what it reads: a warning, not a stop -------------------------
+
+
+def _counters(counters_by_spec):
+  """DataIterator.metrics()-style counters from {spec: (read, skipped, bad_record)}."""
+  out = {}
+  for spec, (read, skipped, bad) in counters_by_spec.items():
+    out.update({f"records/{spec}/read": float(read), f"records/{spec}/skipped": float(skipped),
+                f"errors/{spec}/bad_record": float(bad)})
+  return out
+
+
+def test_skip_warnings_come_once_over_the_threshold_and_again_only_on_a_rise():
+  warn = loop.SkipWarnings(0.1)
+  specs = ("jsonl:/data/bad.jsonl", "python_stdlib")
+  assert warn(_counters({specs[0]: (40, 30, 30)}), specs) == []          # too few records to judge
+  first = warn(_counters({specs[0]: (100, 62, 62), specs[1]: (500, 0, 0)}), specs)
+  assert first == ["warning: data source jsonl:/data/bad.jsonl skipped 62% of records (62 of 100 "
+                   "read; bad_record 62) — over data.skip_warn_fraction=0.1"]
+  assert warn(_counters({specs[0]: (200, 124, 124)}), specs) == []       # the same rate: quiet
+  assert warn(_counters({specs[0]: (300, 210, 210)}), specs) == []       # 70%: less than 10 points up
+  assert len(warn(_counters({specs[0]: (400, 290, 290)}), specs)) == 1   # 72.5%: 10 points up
+  assert loop.SkipWarnings(1.0)(_counters({specs[0]: (100, 100, 100)}), specs) == []   # 1: never
+
+
+def _mostly_bad_jsonl(path, records=1200):
+  """Three malformed lines for every short, valid document."""
+  path.write_text("".join(f'{{"text": "x = {i} + {i} * 2"}}\n' if i % 4 == 0 else "{not json\n"
+                          for i in range(records)))
+  return str(path)
+
+
+def test_a_source_that_skips_most_records_gets_a_warning_naming_it(tmp_path, capsys):
+  from tests.train.test_preemption import make_config as small_config
+  bad = f"jsonl:{_mostly_bad_jsonl(tmp_path / 'bad.jsonl')}"
+  clean = tmp_path / "clean.jsonl"
+  clean.write_text("".join(f'{{"text": "y = {i} - 1"}}\n' for i in range(400)))
+  cfg = small_config()
+  cfg.data.sources, cfg.data.weights = (bad, f"jsonl:{clean}"), (0.5, 0.5)
+  cfg.data.heldout_fraction = 0.0
+  workdir = str(tmp_path / "run")
+  loop.train(cfg, workdir, stop_at_step=12)
+  err = capsys.readouterr().err
+  lines = [l for l in err.splitlines() if "skip_warn_fraction" in l]
+  assert lines and all(l.startswith(f"warning: data source {bad} skipped ") for l in lines), err
+  pattern = re.compile(r"skipped (\d+)% of records \((\d+) of (\d+) read; bad_record (\d+)\) — "
+                       r"over data.skip_warn_fraction=0.1$")
+  pct, skipped, read, bad_records = map(int, pattern.search(lines[0]).groups())
+  assert skipped == bad_records and read >= loop.SkipWarnings.MIN_RECORDS
+  assert pct == round(100 * skipped / read) and pct > 50
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert any(r.get(f"data/skipped/{bad}/bad_record") == bad_records for r in rows)
+  assert all(r.get(f"data/skipped/jsonl:{clean}") == 0 for r in rows)
+
+
+# --- a checkpoint written with another config: refused before anything is built ------------
+
+
+def _files(directory):
+  return {os.path.join(root, name): os.stat(os.path.join(root, name)).st_mtime_ns
+          for root, _, names in os.walk(directory) for name in names}
+
+
+def test_a_checkpoint_of_another_config_is_refused_before_the_model_is_built(tmp_path, capsys,
+                                                                            monkeypatch):
+  from k3train import main as main_lib
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  workdir = tmp_path / "run"
+  cfg = k3_tiny.get_config()                    # what --config=configs/k3_tiny.py loads
+  cfg.checkpoint.async_save = False
+  ckpt = Checkpointer(str(workdir / "checkpoints"), cfg)
+  ckpt.save(10, {"w": jnp.ones((2,))}, {"batches": 10}, force=True)
+  ckpt.close()
+  before = _files(workdir)
+
+  def no_build(*args, **kwargs):
+    raise AssertionError("the model was built")
+
+  monkeypatch.setattr(builder, "build", no_build)
+  code = main_lib.main(["k3train.main", f"--config={repo}/configs/k3_tiny.py", f"--workdir={workdir}",
+                        "--compilation_cache_dir=", "--config.optim.optimizer=muon",
+                        "--config.model.moe.top_k=3"])
+  err = capsys.readouterr().err.splitlines()
+  assert code == 2
+  assert err[0] == (
+      f"python -m k3train.main: error: the checkpoint at {workdir}/checkpoints (step 10) was "
+      "written with a different config (2 keys differ): model.moe.top_k (checkpoint 2, now 3), "
+      "optim.optimizer (checkpoint 'adamw', now 'muon'). Use a new --workdir, or restore the "
+      "original config values.")
+  assert len(err) == 1
+  assert _files(workdir) == before                # nothing written, moved or removed

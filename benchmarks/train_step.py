@@ -1,0 +1,306 @@
+"""The train step `k3train.main` runs, timed, with compile time, peak memory, MFU and a per-part
+profile; one JSON line per config.
+
+  python benchmarks/train_step.py --config=configs/k3_h200.py --steps=10 --profile_steps=2
+
+The step is `k3train.train.builder.build(cfg).step` (forward, backward, optimizer update, QK-Clip,
+QB bias update; state donated) on batches from the config's own data pipeline, as in training.
+The first call is reported as compile_s (tracing + compiling + one step); then `--steps` steps are
+timed each from the end of the previous one to the end of this one (the loss is fetched, so the
+device has finished). MFU = tokens/s × the train loop's model FLOPs per token / (device peak).
+
+With --profile_steps > 0 those steps run under `jax.profiler.trace` and every device op's time is
+assigned to a model part by the `jax.named_scope` names in its HLO op_name (`PARTS`: KDA, MLA,
+routed-expert matmuls, dispatch / combine, router, QB statistics, AttnRes, norms, head and loss,
+optimizer); a fusion without metadata takes that of the first located instruction it fuses.
+Ops in none of the scopes (embedding, elementwise glue, the step's bookkeeping) are "other". `--variants='name:key=value,key=value;…'` runs the same measurement for
+config variants in the same process (one JSON line each), so a baseline and a change are timed on
+the same machine in the same run. `--moe_loads` adds the per-step worst-layer max/mean expert
+load (Quantile Balancing's balance over the run).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3train import cli  # noqa: E402
+
+PROG = "python benchmarks/train_step.py"
+
+# Model parts, found by the `jax.named_scope` names the model and the step give their code (the
+# op_name of every HLO instruction carries them, backward and rematerialised ops included). The
+# first name of this list that appears in an op's scope path decides: the expert matmuls before
+# their dispatch / combine, a norm inside an attention layer counts as that layer.
+PARTS = ("optimizer", "moe_gmm", "router_qb", "router", "moe_dispatch_combine", "kda", "mla",
+         "head_loss", "attnres", "norm")
+
+
+def define(fv: flags.FlagValues) -> None:
+  flags.DEFINE_integer("steps", 10, "timed steps", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("profile_steps", 2, "steps traced for the per-part profile (0: none)",
+                       lower_bound=0, flag_values=fv)
+  flags.DEFINE_string("variants", "", "extra config variants 'name:key=value,key=value;…' run "
+                      "after the base config in the same process", flag_values=fv)
+  flags.DEFINE_bool("moe_loads", False, "report the worst-layer max/mean expert load per step",
+                    flag_values=fv)
+  flags.DEFINE_string("trace_dir", "", "where profiler traces go (default: a temporary folder)",
+                      flag_values=fv)
+
+
+def parse_variants(text: str) -> list[tuple[str, dict]]:
+  """'bf16:model.x=1,optim.y=adamw;f32:model.x=0' → [(name, {dotted key: value text})]."""
+  out = []
+  for item in filter(None, (v.strip() for v in text.split(";"))):
+    name, _, body = item.partition(":")
+    if not body:
+      raise ValueError(f"--variants entry {item!r}: expected name:key=value[,key=value]")
+    pairs = {}
+    for kv in body.split(","):
+      key, eq, value = kv.partition("=")
+      if not eq:
+        raise ValueError(f"--variants entry {item!r}: {kv!r} is not key=value")
+      pairs[key.strip()] = value.strip()
+    out.append((name.strip(), pairs))
+  return out
+
+
+def apply_overrides(cfg, pairs: dict):
+  """A copy of cfg with dotted keys set from text, typed like the existing value."""
+  import ast
+  cfg = cfg.copy_and_resolve_references()
+  for key, text in pairs.items():
+    *parents, leaf = key.split(".")
+    node = cfg
+    for p in parents:
+      node = node[p]
+    old = node[leaf]
+    if isinstance(old, str):
+      node[leaf] = text
+    elif isinstance(old, bool):
+      node[leaf] = text.lower() in ("1", "true", "yes")
+    else:
+      node[leaf] = type(old)(ast.literal_eval(text)) if old is not None else ast.literal_eval(text)
+  return cfg
+
+
+# ----------------------------------------------------------------------------- profile parsing
+
+
+def op_locations(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name → "source_file:op_name" from the compiled module's metadata. A fusion
+  (or call) with no metadata of its own takes the first located instruction of the computation
+  it calls."""
+  inst = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+  head = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(|\{)")
+
+  def where(line):
+    meta = re.search(r"metadata=\{([^}]*)\}", line)
+    if not meta:
+      return ""
+    src = re.search(r'source_file="([^"]*)"', meta.group(1))
+    name = re.search(r'op_name="([^"]*)"', meta.group(1))
+    return (src.group(1) if src else "") + ":" + (name.group(1) if name else "")
+
+  first_in: dict[str, str] = {}
+  own: dict[str, str] = {}
+  calls: dict[str, str] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    m = inst.match(line)
+    if m is None:
+      h = head.match(line)
+      if h and line.rstrip().endswith("{"):
+        current = h.group(1)
+      continue
+    loc = where(line)
+    own[m.group(1)] = loc
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    if called:
+      calls[m.group(1)] = called.group(1)
+    if loc and current is not None:
+      first_in.setdefault(current, loc)
+  return {name: loc or first_in.get(calls.get(name, ""), "") for name, loc in own.items()}
+
+
+def classify(location: str) -> str:
+  """The part (PARTS) of an op from its "source:op_name", "other" if none of the scopes is in it."""
+  scopes = set(re.split(r"[/()]", location.partition(":")[2]))
+  return next((part for part in PARTS if part in scopes), "other")
+
+
+def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str]]:
+  """{HLO op name: total device seconds} from the newest xplane trace, and the line names seen."""
+  import jax
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
+                 key=os.path.getmtime)
+  if not paths:
+    return {}, []
+  data = jax.profiler.ProfileData.from_file(paths[-1])
+  times: dict[str, float] = collections.defaultdict(float)
+  lines_seen = []
+  for plane in data.planes:
+    if not plane.name.startswith("/device:"):
+      continue
+    lines = list(plane.lines)
+    lines_seen += [f"{plane.name}|{line.name}" for line in lines]
+    # One line per HLO op where the profiler makes it; otherwise the compute streams' kernels,
+    # each named by its "hlo_op" stat when it has one.
+    ops = [line for line in lines if line.name == "XLA Ops"]
+    for line in ops or [l for l in lines if l.name.startswith("Stream") and "Compute" in l.name]:
+      for event in line.events:
+        stats = dict(_stats(event))
+        op = stats.get("hlo_op") or event.name
+        times[str(op)] += event.duration_ns * 1e-9
+  return dict(times), lines_seen
+
+
+def _stats(event):
+  try:
+    return [(str(k), v) for k, v in event.stats]
+  except Exception:                                          # noqa: BLE001
+    return []
+
+
+def part_profile(trace_dir: str, hlo_text: str, steps: int) -> dict:
+  """Per-part device milliseconds per step, and the ten most expensive ops."""
+  times, lines_seen = device_op_times(trace_dir)
+  if not times:
+    return {"error": "no device ops in the trace", "lines": lines_seen[:20]}
+  where = op_locations(hlo_text)
+  parts: dict[str, float] = collections.defaultdict(float)
+  for op, seconds in times.items():
+    parts[classify(where.get(op, ""))] += seconds
+  total = sum(times.values())
+  top = sorted(times.items(), key=lambda kv: -kv[1])[:10]
+  return {"device_ms_per_step": round(1e3 * total / steps, 2),
+          "parts_ms_per_step": {k: round(1e3 * v / steps, 2)
+                                for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+          "top_ops": [{"op": op, "ms_per_step": round(1e3 * s / steps, 2),
+                       "where": where.get(op, "")[-120:]} for op, s in top]}
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def measure(cfg, fv, name: str) -> dict:
+  import jax
+  import numpy as np
+  from k3train.data import pipeline
+  from k3train.train import builder
+  from k3train.train import metrics as metrics_lib
+
+  t = cfg.train
+  if not jax.config.jax_compilation_cache_dir:   # lets the profile's lower().compile() hit it
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="k3_xla_cache_"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  run = builder.build(cfg)
+  size = builder.model_size(cfg)
+  data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
+                                     process_index=0, process_count=1)
+  state = run.state
+  loads = []
+
+  def one_step(state):
+    batch = run.layout.global_batch(next(data))
+    state, m = run.step(state, batch)
+    loss = float(np.asarray(m["loss"]))
+    if fv.moe_loads and "moe_max_load" in m:
+      loads.append(round(float(np.asarray(m["moe_max_load"])), 3))
+    return state, loss
+
+  t0 = time.perf_counter()
+  state, loss = one_step(state)
+  compile_s = time.perf_counter() - t0
+  hlo_text = ""
+  times = []
+  for _ in range(fv.steps):
+    t0 = time.perf_counter()
+    state, loss = one_step(state)
+    times.append(time.perf_counter() - t0)
+  step_s = float(np.median(times))
+  tokens = t.global_batch_size * cfg.data.seq_len
+  tps = tokens / step_s
+  device = jax.devices()[0]
+  peak = {}
+  stats = device.memory_stats() or {}
+  if stats:
+    peak = {"peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
+            "limit_gib": round(stats.get("bytes_limit", 0) / 2**30, 2)}
+  row = {"name": name, "step_s": round(step_s, 4), "step_s_min": round(min(times), 4),
+         "tokens_per_step": tokens, "tokens_per_s": round(tps, 1),
+         "mfu": round(metrics_lib.mfu(tps, size.flops_per_token, t.peak_flops_per_device, 1), 4),
+         "flops_per_token": size.flops_per_token, "compile_s": round(compile_s - step_s, 1),
+         "loss_last": round(loss, 4), **peak}
+  if fv.profile_steps:
+    trace_dir = fv.trace_dir or tempfile.mkdtemp(prefix="k3_trace_")
+    trace_dir = os.path.join(trace_dir, name)
+    batch = run.layout.global_batch(next(data))
+    try:
+      hlo_text = run.step.lower(state, batch).compile().as_text()
+    except Exception as e:                                   # noqa: BLE001
+      row["hlo_error"] = str(e).splitlines()[0][:200]
+    with jax.profiler.trace(trace_dir):
+      for _ in range(fv.profile_steps):
+        state, loss = one_step(state)
+    try:
+      row["profile"] = part_profile(trace_dir, hlo_text, fv.profile_steps)
+    except Exception as e:                                   # noqa: BLE001
+      row["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+  if loads:
+    row["moe_max_load"] = {"all": loads, "max_after_10": max(loads[10:], default=None),
+                           "mean": round(float(np.mean(loads)), 3)}
+  del state, run
+  return row
+
+
+def main(argv=None) -> int:
+  args = cli.parse(argv, PROG, define=define, config_required=True)
+  if args.exit_code is not None:
+    return args.exit_code
+  if args.flags.profile_steps and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    # CUDA graphs hide the ops they replay from the profiler: with a profile, every variant runs
+    # (and is timed) without them.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+  import jax
+  fv = args.flags
+  try:
+    variants = [("base", {})] + parse_variants(fv.variants)
+  except ValueError as e:
+    cli.error(PROG, str(e))
+    return cli.USAGE_ERROR
+  env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+  rows = []
+  for name, pairs in variants:
+    cfg = apply_overrides(args.config, pairs)
+    try:
+      row = measure(cfg, fv, name)
+    except Exception as e:                                   # noqa: BLE001
+      row = {"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    row.update(env, overrides=pairs)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  print(f"{'variant':<12} {'step ms':>9} {'tok/s':>9} {'MFU':>6} {'compile s':>9} {'peak GiB':>8}")
+  for r in rows:
+    if "error" in r:
+      print(f"{r['name']:<12} error: {r['error'][:80]}")
+      continue
+    print(f"{r['name']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} "
+          f"{r['compile_s']:>9.1f} {r.get('peak_gib', 0):>8.1f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
