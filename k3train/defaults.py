@@ -58,7 +58,7 @@ def k3_full() -> ml_collections.ConfigDict:
   e.renormalize = True
   e.latent_norm = True
   e.quantile_balancing = True
-  e.qb_drift_correction = True    # move QB's proposal with the router's own update (first order)
+  e.qb_mean_correction = True     # train: route with QB's proposal moved by each expert's mean-score change
   e.backend = "auto"              # pallas_kernels.moe: auto (pallas_gpu on GPU, else ragged_dot)
 
   q = m.quant = ml_collections.ConfigDict()   # MX QAT of the routed experts (docs/maths.md §7.5)

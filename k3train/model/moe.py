@@ -13,23 +13,22 @@ copies it into the bias with `qb_bias_update` (on split states) or `apply_quanti
 
 State paths (the convention `qb_bias_update` relies on), for a StableLatentMoE at module path P:
 
-    P/router/bias    RouterBias     [E]   (checkpoint name: e_score_correction_bias)
-    P/router/weight  nnx.Param      [d, E]
-    P/qb_pending     QBPending      [E]
-    P/qb_drift       QBSensitivity  [d, E]  (only with moe.qb_drift_correction)
-    P/expert_load    ExpertLoad     [E]
+    P/router/bias    RouterBias   [E]   (checkpoint name: e_score_correction_bias)
+    P/qb_pending     QBPending    [E]
+    P/qb_mean_score  QBMeanScore  [E]   (only with moe.qb_mean_correction)
+    P/expert_load    ExpertLoad   [E]
 
 Stacked (scanned) layers add a leading layer axis to all of them; the update is elementwise per
 layer, so it is the same for them.
 
-Router drift (docs/quantile_balancing.md): QB's proposal is computed from the scores of the
-router *before* the optimiser step, but it routes the next batch through the router *after* it.
-When one step moves an expert's mean score by more than the spread of scores between tokens (a
-young model, whose hidden states are much alike, at a high learning rate) the proposal is stale
-and load collapses onto a few experts. With `qb_drift_correction` each forward also records
-    g_de = mean over real tokens of σ'(z_te) · x_td       (the Jacobian of the mean score)
-and the step subtracts the first-order change of each expert's mean score, Σ_d g_de ΔW_de,
-from the proposal (`qb_bias_update(rest, params_before, params_after)`).
+Mean correction (docs/maths.md §5.3, "QB under a moving router"): QB's proposal is computed from
+one batch's scores but routes the next batch, after an optimiser step has moved the router and
+every layer below it. When that moves an expert's mean score by more than the spread of scores
+between tokens, the proposal is stale and the load collapses onto a few experts. With
+`qb_mean_correction`, inside a `qb_training_routing()` block (the train step opens one) each
+layer routes with the proposal moved by the change of every expert's mean score since the
+proposal's batch, b_e − (m_e − m_e^ref), and records this batch's means m_e with its proposal.
+Outside the block (evaluation, decoding, export) the bias is used as stored.
 
 MX quantisation-aware training (docs/maths.md §7.5, `model.quant`): the routed-expert weights
 P/experts/{gate,up,down} are fake-quantised along their input dimension (axis −2, stacked or
@@ -73,10 +72,9 @@ class QBPending(nnx.Variable):
   real tokens. It equals the current bias when QB is off, so applying it changes nothing then."""
 
 
-class QBSensitivity(nnx.Variable):
-  """[d, E] fp32: g_de = mean over real tokens of σ'(z_te)·x_td, the gradient of expert e's mean
-  router score with respect to its router weight column, from the last forward. The train step
-  contracts it with the router's update to move the QB proposal along with the router."""
+class QBMeanScore(nnx.Variable):
+  """[E] fp32: each expert's mean router score over the real tokens of the batch the QB proposal
+  in QBPending was computed from (all zeros before the first training forward: no correction)."""
 
 
 class ExpertLoad(nnx.Variable):
@@ -189,19 +187,6 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
   return jax.lax.stop_gradient(jnp.where(m_real > 0, new_bias_e, bias_e))
 
 
-def mean_score_sensitivity(x_td: jax.Array, scores_te: jax.Array, real_t: jax.Array) -> jax.Array:
-  """g_de = Σ_real t σ'(z_te)·x_td / m_real with σ' = s(1 − s): d(mean_t s_te)/dW_de, fp32 [d, E].
-
-  One [d, T] × [T, E] matmul, the router's own cost; zeros when there are no real tokens."""
-  x_td = jax.lax.stop_gradient(x_td.astype(jnp.float32))
-  s_te = jax.lax.stop_gradient(scores_te.astype(jnp.float32))
-  real = real_t.reshape(s_te.shape[0]).astype(jnp.float32)
-  slope_te = s_te * (1.0 - s_te) * real[:, None]
-  g_de = jax.lax.dot_general(x_td, slope_te, (((0,), (0,)), ((), ())),
-                             precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-  return g_de / jnp.maximum(jnp.sum(real), 1.0)
-
-
 def _ordered_uint32(x: jax.Array) -> jax.Array:
   """fp32 → uint32 with the same order (−inf smallest): flip negatives, offset the sign."""
   bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
@@ -306,6 +291,21 @@ def expert_quantization(settings: ExpertQuant | None, active=True, *,
     yield
   finally:
     _EXPERT_QUANT.reset(token)
+
+
+_QB_TRAINING: contextvars.ContextVar = contextvars.ContextVar("k3train_qb_training", default=False)
+
+
+@contextlib.contextmanager
+def qb_training_routing():
+  """Within this block (at trace time) layers with moe.qb_mean_correction route with the
+  mean-corrected QB proposal and record their batch means (the train step opens it around the
+  forward / backward); outside it every layer routes with its stored bias."""
+  token = _QB_TRAINING.set(True)
+  try:
+    yield
+  finally:
+    _QB_TRAINING.reset(token)
 
 
 # ----------------------------------------------------------------------------- experts
@@ -420,7 +420,7 @@ class StableLatentMoE(nnx.Module):
     self.num_experts = num_experts
     self.top_k = int(moe_cfg.top_k)
     self.quantile_balancing = bool(moe_cfg.quantile_balancing)
-    self.qb_drift_correction = self.quantile_balancing and bool(moe_cfg.qb_drift_correction)
+    self.qb_mean_correction = self.quantile_balancing and bool(moe_cfg.qb_mean_correction)
     self.dtype = dtype
     lin = dict(std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -439,16 +439,14 @@ class StableLatentMoE(nnx.Module):
                           linear_beta=situ_linear_beta, **lin)
                    if int(moe_cfg.num_shared_experts) > 0 else None)
     self.qb_pending = _expert_vector(QBPending, num_experts)
-    if self.qb_drift_correction:
-      self.qb_drift = QBSensitivity(jnp.zeros((d_model, num_experts), jnp.float32),
-                                    out_sharding=(ax.EMBED, ax.EXPERTS), eager_sharding=False)
+    if self.qb_mean_correction:
+      self.qb_mean_score = _expert_vector(QBMeanScore, num_experts)
     self.expert_load = _expert_vector(ExpertLoad, num_experts)
 
   @jax.named_scope("router_qb")
-  def _record_routing_stats(self, x_td: jax.Array, scores_te: jax.Array, idx_tk: jax.Array,
+  def _record_routing_stats(self, scores_te: jax.Array, idx_tk: jax.Array,
                             real_t: jax.Array) -> None:
-    """Write expert_load, qb_pending (and qb_drift) from this forward's routing, over real
-    tokens only."""
+    """Write expert_load and qb_pending from this forward's routing, over real tokens only."""
     self.expert_load.set_value(
         jax.lax.stop_gradient(count_expert_load(idx_tk, real_t, self.num_experts)))
     bias_e = self.router.bias.get_value()
@@ -457,8 +455,23 @@ class StableLatentMoE(nnx.Module):
     else:
       pending_e = bias_e
     self.qb_pending.set_value(jax.lax.stop_gradient(pending_e.astype(jnp.float32)))
-    if self.qb_drift_correction:
-      self.qb_drift.set_value(mean_score_sensitivity(x_td, scores_te, real_t))
+
+  @jax.named_scope("router")
+  def _route_mean_corrected(self, x_nd, real_n):
+    """Routes with the QB proposal moved by the change of each expert's mean score since the
+    batch it was computed from, b − (m − m_ref) re-centred; records this batch's means m."""
+    scores_ne = self.router.scores(x_nd)
+    real = real_n.astype(jnp.float32)
+    mean_e = jax.lax.stop_gradient(jnp.sum(scores_ne * real[:, None], axis=0)
+                                   / jnp.maximum(jnp.sum(real), 1.0))
+    ref_e = self.qb_mean_score.get_value()
+    shift_e = jnp.where(jnp.all(ref_e == 0), 0.0, mean_e - ref_e)   # no reference yet: none
+    bias_e = self.router.bias.get_value() - (shift_e - jnp.mean(shift_e))
+    self.router.bias.set_value(bias_e)     # the bias this batch routed with (QB's α reads it)
+    self.qb_mean_score.set_value(jnp.where(jnp.sum(real) > 0, mean_e, ref_e))
+    weights_nk, idx_nk = route(scores_ne, bias_e, self.top_k, renormalize=self.router.renormalize,
+                               routed_scaling_factor=self.router.routed_scaling_factor)
+    return weights_nk, idx_nk, scores_ne
 
   def _finish(self, r_nl: jax.Array, x_btd: jax.Array) -> jax.Array:
     """Latent combine result r_nl [N, ℓ] → y_btd: norm, up-projection, + shared experts."""
@@ -480,8 +493,11 @@ class StableLatentMoE(nnx.Module):
     real_n = (jnp.ones((b * t,), bool) if token_mask_bt is None
               else token_mask_bt.reshape(b * t).astype(bool))
 
-    weights_nk, idx_nk, scores_ne = self.router(x_nd)
-    self._record_routing_stats(x_nd, scores_ne, idx_nk, real_n)
+    if self.qb_mean_correction and _QB_TRAINING.get():
+      weights_nk, idx_nk, scores_ne = self._route_mean_corrected(x_nd, real_n)
+    else:
+      weights_nk, idx_nk, scores_ne = self.router(x_nd)
+    self._record_routing_stats(scores_ne, idx_nk, real_n)
 
     x_nl = self.down_proj(x_nd)
     # Dispatch → experts → combine; over the `expert` mesh axis when a layout is active.
@@ -512,15 +528,8 @@ def moe_dense_reference(moe: StableLatentMoE, x_btd: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- applying QB
 
 
-def qb_bias_update(rest_state: nnx.State, params_before: nnx.State | None = None,
-                   params_after: nnx.State | None = None) -> nnx.State:
+def qb_bias_update(rest_state: nnx.State) -> nnx.State:
   """Return a copy of `rest_state` in which each RouterBias holds its layer's QBPending value.
-
-  With the parameters from before and after the optimiser step, a layer that records a
-  QBSensitivity g at P/qb_drift gets the proposal moved with its router instead:
-      shift_e = Σ_d g_de (W_after − W_before)_de,   b = pending − (shift − mean_e shift)
-  (first order in the router update; see the module docstring). Without them the proposal is
-  copied as is.
 
   Pure and jit-friendly: only the pytree structure is inspected. For every QBPending leaf at path
   P + (name,), the RouterBias at P + ("router", "bias") is replaced (see the module docstring).
@@ -545,28 +554,8 @@ def qb_bias_update(rest_state: nnx.State, params_before: nnx.State | None = None
     if pending.shape != bias.shape:
       raise ValueError(f"qb_bias_update: QBPending {pending.shape} vs RouterBias {bias.shape} "
                        f"at {bias_path}")
-    drift = by_path.get(tuple(path[:-1]) + ("qb_drift",))
-    if isinstance(drift, QBSensitivity) and params_before is not None and params_after is not None:
-      pending = pending - _router_drift(drift.get_value(), params_before, params_after,
-                                        tuple(path[:-1]) + ("router", "weight"))
     new_bias[bias_path] = target.replace(pending.astype(bias.dtype))
   return nnx.from_flat_state([(p, new_bias.get(tuple(p), v)) for p, v in flat])
-
-
-def _leaf(state: nnx.State, path: tuple) -> jax.Array:
-  node = state
-  for key in path:
-    node = node[key]
-  return node.get_value() if isinstance(node, nnx.Variable) else node
-
-
-def _router_drift(g_de: jax.Array, params_before: nnx.State, params_after: nnx.State,
-                  weight_path: tuple) -> jax.Array:
-  """The re-centred first-order change of each expert's mean score, [..., E]."""
-  delta_de = (_leaf(params_after, weight_path).astype(jnp.float32)
-              - _leaf(params_before, weight_path).astype(jnp.float32))
-  shift_e = jnp.sum(g_de * delta_de, axis=-2)
-  return jax.lax.stop_gradient(shift_e - jnp.mean(shift_e, axis=-1, keepdims=True))
 
 
 def apply_quantile_balancing(model: nnx.Module) -> None:

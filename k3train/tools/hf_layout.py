@@ -312,7 +312,7 @@ _MTP = {
     "final_norm.scale": ("norm.weight", "same", 0),
 }
 # Forward-written state that is not part of the release (recreated at zero on import).
-_NOT_RELEASED = re.compile(r"\.(expert_load|qb_pending|qb_drift|max_logit)$|\.mtp\.stats$")
+_NOT_RELEASED = re.compile(r"\.(expert_load|qb_pending|qb_mean_score|max_logit)$|\.mtp\.stats$")
 
 
 def hf_shape(kind: str, n_in: int, core: tuple[int, ...]) -> tuple[int, ...]:

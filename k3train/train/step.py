@@ -207,7 +207,7 @@ def _combine_rest(rest_stacked):
       return v.replace(jnp.sum(v[...], axis=0))
     if isinstance(v, MaxLogit):
       return v.replace(jnp.max(v[...], axis=0))
-    if isinstance(v, (moe.QBPending, moe.QBSensitivity)):
+    if isinstance(v, (moe.QBPending, moe.QBMeanScore)):
       return v.replace(jnp.mean(v[...], axis=0))
     return v.replace(v[...][-1])
   return jax.tree.map(reduce, rest_stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -305,7 +305,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
     if qat is not None:   # MX QAT: quantise the expert weights once per step
       qat_on = state.step >= qat.start_step
       params_fwd = moe.fake_quant_expert_weights(state.params, qat, qat_on)
-    with moe.expert_quantization(qat, qat_on, weights_quantized=True):
+    with moe.expert_quantization(qat, qat_on, weights_quantized=True), moe.qb_training_routing():
       (loss, (rest, n_tokens)), grads = loss_and_grads(graphdef, params_fwd, state.rest, batch,
                                                        microbatches)
     with jax.named_scope("optimizer"):
@@ -314,7 +314,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
     clip_stats = {}
     if qk_clip_tau is not None:
       params, clip_stats = qk_clip(params, rest, tau=qk_clip_tau, nope=mla_nope_dim)
-    rest = moe.qb_bias_update(rest, state.params, params)
+    rest = moe.qb_bias_update(rest)
     skip, loss_ema = spike_guard(loss, state.loss_ema, factor=loss_spike_factor, decay=loss_spike_ema)
     if loss_spike_factor > 0:  # a skipped step keeps parameters, optimizer state and router biases
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
