@@ -63,8 +63,8 @@ def parse(argv, prog: str, *, define: Callable[[flags.FlagValues], None] | None 
     return Args(None, fv, USAGE_ERROR)
   except (AttributeError, KeyError) as e:   # --config.x=y with a key the config does not have
     key = str(e.args[0]).strip("'\"") if e.args else "?"
-    error(prog, f"unknown config key {key!r} in {_overrides(argv)}; see k3train/defaults.py for "
-          "every key")
+    error(prog, f"unknown config key {key!r} in {_overrides(argv, key)}; see k3train/defaults.py "
+          "for every key")
     return Args(None, fv, USAGE_ERROR)
   except (OSError, TypeError, ValueError) as e:
     error(prog, f"bad config: {_flag_message(e)}")
@@ -96,9 +96,11 @@ def _config_path(argv) -> str | None:
   return None
 
 
-def _overrides(argv) -> str:
+def _overrides(argv, key: str) -> str:
+  """The command-line override(s) that name `key`, else all of them, else the config file."""
   given = [a for a in argv[1:] if a.startswith("--config.")]
-  return " ".join(given) if given else "the config file"
+  naming = [a for a in given if key in a.partition("=")[0].split(".")]
+  return " ".join(naming or given) if given else "the config file"
 
 
 def _flag_message(e: BaseException) -> str:

@@ -208,6 +208,17 @@ def sample(logits_bv: jax.Array, key: jax.Array, *, temperature: float, top_p: f
 # ----------------------------------------------------------------------------- jitted wrapper
 
 
+def prompt_arrays(tokens_bt, segment_ids_bt, max_len: int):
+  """(tokens, segment ids) of a prompt as int32 [B, T] (one document when no ids are given);
+  a prompt longer than the cache is refused."""
+  tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
+  if tokens_bt.shape[1] > max_len:
+    raise ValueError(f"prompt of {tokens_bt.shape[1]} tokens does not fit max_len={max_len}")
+  if segment_ids_bt is None:
+    segment_ids_bt = jnp.ones(tokens_bt.shape, jnp.int32)
+  return tokens_bt, jnp.asarray(segment_ids_bt, jnp.int32)
+
+
 class Decoder:
   """`prefill` and `step` of one model, jitted once per shape (the model's state is an argument,
   so its forward-written variables are left untouched)."""
@@ -219,12 +230,7 @@ class Decoder:
     self._step = jax.jit(functools.partial(_step_fn, self.graphdef))
 
   def prefill(self, tokens_bt, segment_ids_bt=None):
-    tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
-    if tokens_bt.shape[1] > self.max_len:
-      raise ValueError(f"prompt of {tokens_bt.shape[1]} tokens does not fit max_len={self.max_len}")
-    if segment_ids_bt is None:
-      segment_ids_bt = jnp.ones(tokens_bt.shape, jnp.int32)
-    return self._prefill(self.state, tokens_bt, jnp.asarray(segment_ids_bt, jnp.int32))
+    return self._prefill(self.state, *prompt_arrays(tokens_bt, segment_ids_bt, self.max_len))
 
   def step(self, tokens_b, cache: DecodeCache, segment_ids_b=None):
     if int(cache.length) >= cache.max_len:

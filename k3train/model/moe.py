@@ -420,7 +420,8 @@ class StableLatentMoE(nnx.Module):
     self.num_experts = num_experts
     self.top_k = int(moe_cfg.top_k)
     self.quantile_balancing = bool(moe_cfg.quantile_balancing)
-    self.qb_mean_correction = self.quantile_balancing and bool(moe_cfg.qb_mean_correction)
+    self.qb_mean_correction = (self.quantile_balancing
+                               and bool(getattr(moe_cfg, "qb_mean_correction", False)))
     self.dtype = dtype
     lin = dict(std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 

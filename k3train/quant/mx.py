@@ -46,6 +46,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 BLOCK = 32
 FORMATS = ("mxfp4", "mxfp8")
@@ -185,7 +187,7 @@ def dequantize(codes: jax.Array, scales: jax.Array, fmt: str, axis: int = -1, *,
   if scales.shape != expected:
     raise ValueError(f"scales {scales.shape} do not match codes {codes.shape} with blocks of "
                      f"{BLOCK} along axis {axis} (expected {expected})")
-  blocks, _ = _to_blocks(codes.astype(jnp.float32), axis)
+  blocks, _ = _to_blocks(code_values(codes), axis)
   e = scale_bytes(scales).astype(jnp.int32) - SCALE_BIAS          # [..., n] along axis
   e = jnp.moveaxis(e, axis, -1)
   values = _scale_by_pow2(blocks, jnp.minimum(e, SCALE_BIAS)[..., None])
@@ -234,6 +236,28 @@ def scale_bytes(scales: jax.Array) -> jax.Array:
 def scales_from_bytes(data: jax.Array) -> jax.Array:
   """uint8 bytes → float8_e8m0fnu scales (a bit cast; byte 255 is NaN)."""
   return jax.lax.bitcast_convert_type(data.astype(jnp.uint8), jnp.float8_e8m0fnu)
+
+
+# fp32 value of every element code, by bit pattern: E2M1 nibbles (sign in bit 3) and E4M3 bytes
+# (sign in bit 7; 0x7F / 0xFF are NaN).
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_TABLE = np.array(_E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES), np.float32)
+_E4M3_TABLE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def code_values(codes: jax.Array) -> jax.Array:
+  """E2M1 / E4M3 codes → their exact fp32 values, read from the codes' bits through a table.
+
+  A plain `codes.astype(float32)` after `x.astype(code dtype)` is a round trip that XLA:GPU may
+  fold into the identity (it allows excess precision by default), which would silently skip the
+  quantisation; a bit-level lookup cannot be folded away."""
+  if codes.dtype == jnp.float4_e2m1fn:
+    bits, table = e2m1_nibbles(codes), _E2M1_TABLE
+  elif codes.dtype == jnp.float8_e4m3fn:
+    bits, table = jax.lax.bitcast_convert_type(codes, jnp.uint8), _E4M3_TABLE
+  else:
+    raise ValueError(f"MX element codes must be float4_e2m1fn or float8_e4m3fn, got {codes.dtype}")
+  return jnp.take(jnp.asarray(table), bits.astype(jnp.int32), axis=0)
 
 
 def e2m1_nibbles(codes: jax.Array) -> jax.Array:

@@ -162,13 +162,8 @@ class SpeculativeDecoder:
 
   def prefill(self, tokens_bt, segment_ids_bt=None):
     """(x, draft, cache, MTP cache) after a prompt [B, T]."""
-    import jax.numpy as jnp
-    tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
-    if tokens_bt.shape[1] > self.max_len:
-      raise ValueError(f"prompt of {tokens_bt.shape[1]} tokens does not fit max_len={self.max_len}")
-    if segment_ids_bt is None:
-      segment_ids_bt = jnp.ones(tokens_bt.shape, jnp.int32)
-    return self._prefill(self.state, tokens_bt, jnp.asarray(segment_ids_bt, jnp.int32))
+    from k3train.model.decode import prompt_arrays
+    return self._prefill(self.state, *prompt_arrays(tokens_bt, segment_ids_bt, self.max_len))
 
   def round(self, x_b, draft_b, cache, mcache):
     """(accepted, next x, its draft, cache, MTP cache); needs two free cache slots."""

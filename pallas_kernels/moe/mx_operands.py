@@ -11,10 +11,12 @@ contraction dimension K (docs/maths.md §7.1, §7.4):
                                scales [G, N, K/32] uint8 E8M0 bytes
 
 A nibble is a sign bit (bit 3) and a magnitude index (bits 0–2) into {0, ½, 1, 1½, 2, 3, 4, 6};
-the byte 255 is the NaN scale (its whole block decodes to NaN). Decoding is written with integer
-bit operations and exact power-of-two products only, so the same functions serve XLA and the
-kernel bodies. Values whose magnitude falls below 2^-126 (scale bytes 0–2) may flush to zero on
-backends that flush subnormals.
+an E4M3 code is s·eeee·mmm (bias 7, subnormals at e = 0, NaN at 0x7F/0xFF); the byte 255 is the
+NaN scale (its whole block decodes to NaN). Decoding is written with integer bit operations and
+exact power-of-two products only (no float8 → float convert, which XLA may fold together with
+the quantising convert; see `decode_e4m3`), so the same functions serve XLA and the kernel
+bodies. Values whose magnitude falls below 2^-126 (MXFP4: scale bytes 0–1; MXFP8: scale bytes
+below 10) may flush to zero on backends that flush subnormals.
 """
 
 from __future__ import annotations
@@ -53,6 +55,23 @@ def decode_e2m1(nibbles: jax.Array) -> jax.Array:
   return jnp.where((n & 8) != 0, -value, value)
 
 
+def decode_e4m3(codes: jax.Array) -> jax.Array:
+  """float8_e4m3fn codes (or their uint8 bit patterns) → fp32 values, from the bits.
+
+  byte = s·eeee·mmm: e == 0 → m · 2^-9 (subnormal); else (8 + m) · 2^(e − 10); bits 0x7F and
+  0xFF (e = 15, m = 7) are NaN. Integer arithmetic and one exact power-of-two product: no
+  float8 → float convert. Inside one jit XLA:GPU may fold a float32 → float8 → float32 convert
+  pair into the identity (seen on an H200 with jax 0.11.2: a jitted quantize-then-dequantize
+  returned the unquantised values), which would silently undo an MXFP8 quantisation made in the
+  same computation; a bitcast and integer ops keep the rounding."""
+  b = jax.lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.int32)
+  e, m = (b >> 3) & 15, b & 7
+  sig = jnp.where(e == 0, m, 8 + m).astype(jnp.float32)                # exact integers 0..15
+  mag = sig * _pow2(jnp.where(e == 0, -9, e - 10))
+  mag = jnp.where((b & 0x7F) == 0x7F, jnp.nan, mag)
+  return jnp.where((b & 0x80) != 0, -mag, mag)
+
+
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
   """uint8 [..., K/2] → uint8 nibbles [..., K] (low nibble first: element 2j, then 2j+1)."""
   pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
@@ -67,8 +86,10 @@ def _blockwise(values_xk: jax.Array, scales_xb: jax.Array) -> jax.Array:
 
 
 def dequantize_lhs(codes_mk: jax.Array, scales_mb: jax.Array, dtype) -> jax.Array:
-  """MXFP8 activations → [M, K] in dtype (exact for values in dtype's normal range)."""
-  return _blockwise(codes_mk.astype(jnp.float32), scales_mb).astype(dtype)
+  """MXFP8 activations → [M, K] in dtype (exact for values in dtype's normal range). The codes
+  are decoded from their bits (`decode_e4m3`), so a quantisation earlier in the same jit is
+  never folded away."""
+  return _blockwise(decode_e4m3(codes_mk), scales_mb).astype(dtype)
 
 
 def dequantize_rhs_nk(packed_gnh: jax.Array, scales_gnb: jax.Array, dtype) -> jax.Array:

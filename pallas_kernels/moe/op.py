@@ -11,8 +11,8 @@ vjp.py — and "auto" (see `resolve_backend`).
 
 `gmm_mx` is the same grouped matmul on MX-quantised operands (MXFP8 activations, MXFP4 weights
 in the release byte layout; mx_operands.py states the layout), with straight-through gradients
-(vjp.py). Its backends (MX_BACKENDS) dequantise and then run the gmm backend of the same name;
-see `gmm_mx`.
+(vjp.py). Its backends (MX_BACKENDS) run the gmm backend of the same name on the dequantised
+operands, pallas_gpu decoding them inside its kernel; see `gmm_mx`.
 """
 
 from __future__ import annotations
@@ -102,24 +102,31 @@ def _gmm_mx_reference_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, gro
   return gmm_mx_reference(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes, dtype)
 
 
-def _gmm_mx_pallas_gpu_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes, dtype):
-  return pallas_gpu.gmm_mx_pallas_gpu_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales,
-                                              group_sizes, dtype,
-                                              interpret=jax.default_backend() != "gpu")
+def _gmm_mx_pallas_gpu_forward(lhs_decode: str):
+  """The Mosaic GPU MX forward, MXFP8 activations decoded in the kernel ("kernel") or in XLA."""
+  def forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes, dtype):
+    return pallas_gpu.gmm_mx_pallas_gpu_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales,
+                                                group_sizes, dtype, lhs_decode=lhs_decode,
+                                                interpret=jax.default_backend() != "gpu")
+  return forward
 
 
 _GMM_MX_IMPLS = {
     "reference": straight_through_gmm_mx(_gmm_mx_reference_forward, gmm_reference),
     "ragged_dot": straight_through_gmm_mx(_xla_dequant_forward(gmm_ragged_dot), gmm_ragged_dot),
-    "pallas_gpu": straight_through_gmm_mx(_gmm_mx_pallas_gpu_forward, _gmm_pallas_gpu),
+    "pallas_gpu": straight_through_gmm_mx(_gmm_mx_pallas_gpu_forward("kernel"), _gmm_pallas_gpu),
     "pallas_tpu": straight_through_gmm_mx(_xla_dequant_forward(_gmm_pallas_tpu), _gmm_pallas_tpu),
 }
+# pallas_gpu with the MXFP8 activations dequantised in XLA before the kernel (lhs_decode="xla").
+_GMM_MX_PALLAS_GPU_XLA_LHS = straight_through_gmm_mx(_gmm_mx_pallas_gpu_forward("xla"),
+                                                     _gmm_pallas_gpu)
 MX_BACKENDS = ("auto",) + tuple(_GMM_MX_IMPLS)
+LHS_DECODES = ("kernel", "xla")
 
 
 def gmm_mx(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, lhs_codes: jax.Array,
            lhs_scales: jax.Array, rhs_packed: jax.Array, rhs_scales: jax.Array,
-           backend: str = "auto") -> jax.Array:
+           backend: str = "auto", lhs_decode: str = "kernel") -> jax.Array:
   """Grouped matmul of MX operands: gmm(Q(lhs), Q(rhs)) read from their encodings.
 
   lhs [M, K] and rhs [G, K, N] are the unquantised operands (any float dtype; the result has
@@ -134,17 +141,24 @@ def gmm_mx(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, lhs_codes:
   get no gradient. Backends: "reference" (dense, fp32 dequantisation), "ragged_dot" and
   "pallas_tpu" (dequantise in XLA, then that gmm), "pallas_gpu" (pallas_gpu.py:
   `gmm_mx_pallas_gpu_forward`), "auto" (as for `gmm`, by shape and promoted dtype).
+  lhs_decode (pallas_gpu only): "kernel" (default) decodes the MXFP8 activations inside the
+  Mosaic GPU kernel, which then reads 1 byte per activation element; "xla" dequantises them
+  in XLA first, as before. The other backends always dequantise in XLA.
   """
   if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
     raise ValueError(f"gmm_mx expects lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
                      f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}")
   if rhs.shape[0] != group_sizes.shape[0]:
     raise ValueError(f"gmm_mx: rhs {rhs.shape} and group_sizes {group_sizes.shape} disagree on G")
+  if lhs_decode not in LHS_DECODES:
+    raise ValueError(f"gmm_mx: lhs_decode must be one of {', '.join(LHS_DECODES)}, got "
+                     f"{lhs_decode!r}")
   mx_operands.check_operands(lhs.shape, rhs.shape, lhs_codes, lhs_scales, rhs_packed, rhs_scales)
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   name = resolve_backend(backend, lhs.shape, rhs.shape, dtype)
-  return _GMM_MX_IMPLS[name](lhs, rhs, group_sizes, lhs_codes, lhs_scales, rhs_packed,
-                             rhs_scales)
+  impl = (_GMM_MX_PALLAS_GPU_XLA_LHS if (name, lhs_decode) == ("pallas_gpu", "xla")
+          else _GMM_MX_IMPLS[name])
+  return impl(lhs, rhs, group_sizes, lhs_codes, lhs_scales, rhs_packed, rhs_scales)
 
 
 def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int

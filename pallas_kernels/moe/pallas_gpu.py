@@ -24,8 +24,12 @@ warpgroups issuing wgmma, each owning a [tile_m, tile_n] fp32 accumulator; a CTA
   Empty groups store zeros.
 * `gmm_mx_mgpu` is `gmm_mgpu` with the rhs read as MXFP4 (packed codes + E8M0 scales) and
   dequantised in the consumer warpgroups before the wgmma (the forward of `gmm_mx`; its backward
-  runs the two kernels above on the dequantised operands). It is tested in interpret mode and
-  lowered to Mosaic GPU (layout inference included) on CPU; it has not run on a GPU.
+  runs the two kernels above on the dequantised operands). `gmm_mx_mgpu_mxfp8` is the same
+  kernel with the lhs read as MXFP8 (E4M3 codes + E8M0 scales) too, decoded in registers and
+  fed to the wgmma as its register operand. Both are tested in interpret mode and lowered to
+  Mosaic GPU (layout inference included) on CPU, and have run on an H200 (jax 0.11.2:
+  benchmarks/moe_gmm_mx.py), where they are correct but bound by the in-register decode: about
+  120–130 TFLOP/s at the k3_h200 expert shapes, against 560 for `gmm_mgpu`.
 
 Constraints (checked, with a clear error): lhs and rhs of one dtype (bf16/f16; f32 runs as tf32);
 K % tile_k == 0, N % (2·tile_n) == 0; rows M ≥ tile (smaller M is zero-padded by the caller).
@@ -412,16 +416,22 @@ def gmm_pallas_gpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Arr
 # ------------------------------------------------------------------------------------------ MX
 
 MX_BLOCK = mx_operands.BLOCK
-_MX_ROW_BYTES = 48   # per weight row and K-step of 64: 32 code bytes, 2 scale bytes, 14 zero bytes
+# Bytes per row and K-step of 64 of the kernel's uint8 operands. Mosaic GPU (jax 0.11) tiles a
+# shared-memory slice that a consumer loads into registers by (rows, slice width), so a row must
+# be a multiple of the 32-byte code slice: weights 32 code bytes + 2 scale bytes + 30 zeros.
+# Activation scales: 2 bytes + 30 zeros (16 would do for TMA, but Pallas' GPU interpreter in
+# jax 0.10.2 deadlocks on a 16-byte-wide pipelined tile next to the others).
+_MX_ROW_BYTES = 64
+_MX_SCALE_ROW_BYTES = 32
 
 
 def _kernel_rhs(rhs_packed_gnh: jax.Array, rhs_scales_gnb: jax.Array) -> jax.Array:
   """Release MXFP4 (codes [G, N, K/2], scale bytes [G, N, K/32]) → the kernel's operand, uint8
-  [G, N, K/64 · 48]: for every weight row and K-step of 64 elements, 32 code bytes in which byte
+  [G, N, K/64 · 64]: for every weight row and K-step of 64 elements, 32 code bytes in which byte
   j holds element j (low nibble) and element 32 + j (high nibble), so the two nibbles decode to
-  the step's two MX blocks without an interleave, then the two blocks' scale bytes, then zeros
-  (a TMA row is a multiple of 16 bytes). 6 bits per weight element in all, against 16 for bf16;
-  one XLA pass over the packed bytes."""
+  the step's two MX blocks without an interleave, then the two blocks' scale bytes, then 30
+  zeros (`_MX_ROW_BYTES`). 8 bits per weight element in all, against 16 for bf16; one XLA pass
+  over the packed bytes."""
   nib = mx_operands.unpack_nibbles(rhs_packed_gnh)                       # [G, N, K]
   g, n, k = nib.shape
   halves = nib.reshape(g, n, k // 64, 2, 32)                             # K-steps of 2 blocks
@@ -453,72 +463,101 @@ def _decode_e2m1_f32(nib: jax.Array) -> jax.Array:
   return jnp.where((n & 8) != 0, -mag, mag)
 
 
-def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: jax.Array,
-                group_sizes_g: jax.Array, *, config: MgpuConfig = MgpuConfig(),
-                interpret: bool = False) -> jax.Array:
-  """out [M, N] (lhs dtype) = ragged_dot(lhs, deq(rhs)), rhs MXFP4 dequantised in the kernel.
+def _kernel_lhs_scales(scales_mb: jax.Array) -> jax.Array:
+  """MXFP8 scale bytes [M, K/32] → the kernel's operand, uint8 [M, K/64 · 32]: per row and K-step
+  of 64 the two blocks' bytes, then 30 zeros (`_MX_SCALE_ROW_BYTES`; a TMA box row is a multiple
+  of 16 bytes, and the row stride K/32 bytes need not be). One small XLA pass over the scales."""
+  m, nb = scales_mb.shape
+  pairs = scales_mb.reshape(m, nb // 2, 2)
+  pad = jnp.zeros((m, nb // 2, _MX_SCALE_ROW_BYTES - 2), jnp.uint8)
+  return jnp.concatenate([pairs, pad], axis=-1).reshape(m, (nb // 2) * _MX_SCALE_ROW_BYTES)
 
-  rhs: packed uint8 [G, N, K/2] and E8M0 bytes [G, N, K/32] in the release layout
-  (mx_operands.py). The launcher rearranges them into one uint8 operand (`_kernel_rhs`: per
-  weight row and K-step of tile_k = 64, 32 code bytes whose low nibbles are MX block 2kk and
-  high nibbles block 2kk + 1, then the two scale bytes). Per pipeline step the producer loads a
-  [2·tile_n, 48]-byte tile by TMA; a consumer warpgroup reads its [tile_n, 48] rows into
-  registers, decodes the nibbles to fp32 E2M1 values, takes each row's two scale bytes (a masked
-  row sum), multiplies by 2^(byte − 127) as two exact power-of-two factors (NaN for byte 255),
-  writes the two [tile_n, 32] halves of the weight tile to shared memory in the lhs dtype and
-  issues one wgmma per half against the matching half of the lhs tile (two [tile_m, 32] TMA
-  tiles). Row schedule, ragged TMA-store epilogue and tail zeros are gmm_mgpu's.
-  """
+
+def _row_factors(bytes_x16: jax.Array, col: jax.Array, h: int):
+  """Scale bytes [rows, 16] (int32; byte h of a row is its block-h scale) → (f1, f2) fp32 [rows]
+  with f1 · f2 = 2^(byte − 127), f1 NaN where the byte is 255 (so the block decodes to NaN
+  through the product, without a select per element)."""
+  byte = jnp.sum(jnp.where(col == h, bytes_x16, 0), axis=1)
+  f1, f2 = _pow2_factors(byte)
+  return jnp.where(byte == 255, jnp.nan, f1), f2
+
+
+def _check_mx_config(cfg: MgpuConfig, k: int, n: int, dtype, name: str) -> None:
+  _check(cfg.tile_k == 2 * MX_BLOCK, f"{name}: tile_k must be {2 * MX_BLOCK} (two MX blocks per "
+         f"step), got {cfg.tile_k}")
+  _check(k % cfg.tile_k == 0, f"{name}: K={k} must be a multiple of tile_k={cfg.tile_k}")
+  _check(n % (_NUM_COMPUTE_WGS * cfg.tile_n) == 0,
+         f"{name}: N={n} must be a multiple of 2*tile_n={_NUM_COMPUTE_WGS * cfg.tile_n}")
+  _check(cfg.tile_n % cfg.epi_n == 0, f"{name}: tile_n must be a multiple of epi_n")
+  _check(cfg.epi_n * jnp.dtype(dtype).itemsize % 128 == 0,
+         f"{name}: epi_n rows must be 128-byte multiples (TMA stores start at any row)")
+
+
+def _gmm_mx_call(lhs_ops, rhs_k, group_sizes_g, *, num_groups: int, n: int, dtype,
+                 config: MgpuConfig, interpret: bool) -> jax.Array:
+  """The MX grouped-matmul kernel. lhs_ops is (lhs [M, K] in dtype,) — activations read as they
+  are — or (E4M3 code bytes [M, K], `_kernel_lhs_scales` operand) — activations decoded in the
+  kernel; rhs_k is `_kernel_rhs`'s weight operand. Output [M, N] in dtype."""
   cfg = config
-  m, k = lhs_mk.shape
-  g, n, k_half = rhs_packed_gnh.shape
+  mx_lhs = len(lhs_ops) == 2
+  m, k = lhs_ops[0].shape
+  g = num_groups
   cta_n = _NUM_COMPUTE_WGS * cfg.tile_n
   half = cfg.tile_k // 2
-  dtype = lhs_mk.dtype
-  _check(cfg.tile_k == 2 * MX_BLOCK, f"gmm_mx_mgpu: tile_k must be {2 * MX_BLOCK} (two MX blocks "
-         f"per step), got {cfg.tile_k}")
-  _check(k_half * 2 == k and rhs_scales_gnb.shape == (g, n, k // MX_BLOCK),
-         f"gmm_mx_mgpu: lhs {lhs_mk.shape}, rhs_packed {rhs_packed_gnh.shape} and rhs_scales "
-         f"{rhs_scales_gnb.shape} disagree")
-  _check(k % cfg.tile_k == 0, f"gmm_mx_mgpu: K={k} must be a multiple of tile_k={cfg.tile_k}")
-  _check(n % cta_n == 0, f"gmm_mx_mgpu: N={n} must be a multiple of 2*tile_n={cta_n}")
-  _check(cfg.tile_n % cfg.epi_n == 0, "gmm_mx_mgpu: tile_n must be a multiple of epi_n")
-  _check(cfg.epi_n * jnp.dtype(dtype).itemsize % 128 == 0,
-         "gmm_mx_mgpu: epi_n rows must be 128-byte multiples (TMA stores start at any row)")
-  rhs_k = _kernel_rhs(rhs_packed_gnh, rhs_scales_gnb)
+  # Rows padded to a multiple of 8 and to ≥ tile_m (padding rows are tail rows, sliced off).
   pad = max(cfg.tile_m, -(-m // 8) * 8) - m
   if pad:
-    lhs_mk = jnp.pad(lhs_mk, ((0, pad), (0, 0)))
+    lhs_ops = tuple(jnp.pad(x, ((0, pad), (0, 0))) for x in lhs_ops)
   m_p = m + pad
   sched = row_schedule(group_sizes_g, m_p, cfg.tile_m, align=cfg.align)
   num_items = sched.group_id.shape[0]
   n_iters, k_iters = n // cta_n, k // cfg.tile_k
-  a_tf = _swizzled(half, dtype)
+  a_tf = _swizzled(half, lhs_ops[0].dtype)      # E4M3 halves: 32-byte rows; bf16: 64-byte rows
   w_tf = _swizzled(half, dtype)
   out_tf = _swizzled(cfg.epi_n, dtype, tiling_rows=1)
   tile_m, tile_n, epi_n = cfg.tile_m, cfg.tile_n, cfg.epi_n
 
   def pipeline(body, context):
+    lhs_specs = [
+        plgpu.BlockSpec((tile_m, half), lambda kk: (0, 2 * kk), transforms=a_tf,
+                        memory_space=plgpu.SMEM),
+        plgpu.BlockSpec((tile_m, half), lambda kk: (0, 2 * kk + 1), transforms=a_tf,
+                        memory_space=plgpu.SMEM)]
+    if mx_lhs:
+      lhs_specs.append(plgpu.BlockSpec((tile_m, _MX_SCALE_ROW_BYTES), lambda kk: (0, kk),
+                                       memory_space=plgpu.SMEM))
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec((tile_m, half), lambda kk: (0, 2 * kk), transforms=a_tf,
-                            memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((tile_m, half), lambda kk: (0, 2 * kk + 1), transforms=a_tf,
-                            memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((cta_n, _MX_ROW_BYTES), lambda kk: (0, kk),
-                            memory_space=plgpu.SMEM)],
+        in_specs=[*lhs_specs,
+                  plgpu.BlockSpec((cta_n, _MX_ROW_BYTES), lambda kk: (0, kk),
+                                  memory_space=plgpu.SMEM)],
         wg_axis="wg", num_compute_wgs=_NUM_COMPUTE_WGS, max_concurrent_steps=cfg.stages,
         compute_context=context)
 
-  def kernel(gid_ref, tstart_ref, vstart_ref, vsize_ref, lhs_ref, rhs_ref, out_ref):
+  def load(ref):
+    """A shared-memory tile into registers: in the wgmma register layout on hardware (row values
+    then broadcast along K without data movement), plainly in the interpreter."""
+    if interpret:
+      return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
+
+  def col_iota(rows):
+    col = lax.broadcasted_iota(jnp.int32, (rows, 16), 1)
+    return col if interpret else plgpu.layout_cast(col, plgpu.Layout.WGMMA)
+
+  def kernel(gid_ref, tstart_ref, vstart_ref, vsize_ref, *refs):
+    *lhs_refs, rhs_ref, out_ref = refs
     ignore = lambda *_, **__: None
-    lhs_view0 = lhs_ref.at[pl.ds(0, tile_m), :]
+
+    def lhs_views(row0):   # the row tile of the lhs operands, one per lhs in_spec
+      views = [x.at[pl.ds(row0, tile_m), :] for x in lhs_refs]
+      return [views[0], *views]       # (lo half, hi half[, scales]) read the same rows
+    lhs_views0 = lhs_views(0)
 
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(
-            lhs_view0, lhs_view0, rhs_ref.at[0, pl.ds(0, cta_n), :]),
+            *lhs_views0, rhs_ref.at[0, pl.ds(0, cta_n), :]),
         out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_m, epi_n), dtype, transforms=out_tf),
         w_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, tile_n, half), dtype, transforms=w_tf),
         collective_axes="wg")
@@ -555,38 +594,45 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
             run_pipeline(acc_ref)
             store(acc_ref[...].astype(dtype))
 
-        def mma(_, a_lo, a_hi, r_smem, acc_ref):
+        def mma(_, *step_refs):
+          *a_refs, r_smem, acc_ref = step_refs
           own = pl.ds(wg * tile_n, tile_n)
-          codes_ref, scale_ref = r_smem.at[own, pl.ds(0, half)], r_smem.at[own, pl.ds(half, 16)]
-          if interpret:
-            codes_nh, bytes_n16 = codes_ref[...], scale_ref[...]
-            col = lax.broadcasted_iota(jnp.int32, (tile_n, 16), 1)
-          else:            # decode in the wgmma register layout; row values broadcast along K
-            codes_nh = plgpu.load(codes_ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
-            bytes_n16 = plgpu.load(scale_ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
-            col = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tile_n, 16), 1),
-                                    plgpu.Layout.WGMMA)
-          codes_nh = codes_nh.astype(jnp.int32)     # Mosaic GPU: 8-bit types only bitwise
-          bytes_n16 = bytes_n16.astype(jnp.int32)
-          row = lambda v: lax.broadcast_in_dim(v, (tile_n, half), [0])
+          row = lambda v, rows: lax.broadcast_in_dim(v, (rows, half), [0])
+          # MXFP4 weights: nibbles → E2M1 values, times the row's scale, into shared memory.
+          codes_nh = load(r_smem.at[own, pl.ds(0, half)]).astype(jnp.int32)
+          wbytes_n16 = load(r_smem.at[own, pl.ds(half, 16)]).astype(jnp.int32)
           for h, nib in enumerate((codes_nh & 15, (codes_nh >> 4) & 15)):  # blocks 2kk, 2kk+1
-            byte_n = jnp.sum(jnp.where(col == h, bytes_n16, 0), axis=1)     # [tile_n] int32
-            f1, f2 = _pow2_factors(byte_n)
-            w_nh = _decode_e2m1_f32(nib) * row(f1) * row(f2)
-            w_nh = jnp.where(row(byte_n) == 255, jnp.nan, w_nh)
-            w_smem[wg, h] = w_nh.astype(dtype)
+            f1, f2 = _row_factors(wbytes_n16, col_iota(tile_n), h)
+            w_smem[wg, h] = (_decode_e2m1_f32(nib) * row(f1, tile_n) * row(f2, tile_n)
+                             ).astype(dtype)
+          if mx_lhs:
+            # MXFP8 activations: E4M3 code bytes → fp32 (exact), times the row's scale, rounded
+            # to dtype in registers, where the wgmma reads them (its register A operand). The
+            # bytes travel as uint8 and are bit-cast here (Pallas' GPU interpreter hangs on
+            # float8 shared-memory tiles).
+            a_lo, a_hi, a_scales = a_refs
+            abytes_m16 = load(a_scales.at[:, pl.ds(0, 16)]).astype(jnp.int32)
+            a_ops = []
+            for h, a_ref in enumerate((a_lo, a_hi)):
+              f1, f2 = _row_factors(abytes_m16, col_iota(tile_m), h)
+              codes_mh = (a_ref[...] if interpret
+                          else plgpu.load(a_ref, (), layout=plgpu.Layout.WGMMA))
+              e4m3_mh = lax.bitcast_convert_type(codes_mh, jnp.float8_e4m3fn)
+              a_ops.append((e4m3_mh.astype(jnp.float32) * row(f1, tile_m) * row(f2, tile_m)
+                            ).astype(dtype))
+          else:
+            a_ops = a_refs
           plgpu.commit_smem()
-          for h, a_smem in enumerate((a_lo, a_hi)):
-            plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(w_smem.at[wg, h], (1, 0)))
+          for h in range(2):
+            plgpu.wgmma(acc_ref, a_ops[h], plgpu.transpose_ref(w_smem.at[wg, h], (1, 0)))
           plgpu.wgmma_wait(0)       # w_smem is rewritten by the next step
           return acc_ref
 
         @pl.when((vsize > 0) & jnp.logical_not(is_tail))
         def _():
           gid_c = jnp.minimum(gid, g - 1)
-          lhs_view = lhs_ref.at[pl.ds(tstart, tile_m), :]
           rhs_view = rhs_ref.at[gid_c, pl.ds(ni * cta_n, cta_n), :]
-          pipeline(mma, context)(lhs_view, lhs_view, rhs_view, allocations=allocs)
+          pipeline(mma, context)(*lhs_views(tstart), rhs_view, allocations=allocs)
 
         @pl.when((vsize > 0) & is_tail & (wg < _NUM_COMPUTE_WGS))
         def _():
@@ -600,16 +646,103 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=_interpret_params(interpret),
-  )(sched.group_id, sched.tile_start, sched.valid_start, sched.valid_size, lhs_mk, rhs_k)
+  )(sched.group_id, sched.tile_start, sched.valid_start, sched.valid_size, *lhs_ops, rhs_k)
   return out[:m] if pad else out
 
 
+def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: jax.Array,
+                group_sizes_g: jax.Array, *, config: MgpuConfig = MgpuConfig(),
+                interpret: bool = False) -> jax.Array:
+  """out [M, N] (lhs dtype) = ragged_dot(lhs, deq(rhs)), rhs MXFP4 dequantised in the kernel.
+
+  rhs: packed uint8 [G, N, K/2] and E8M0 bytes [G, N, K/32] in the release layout
+  (mx_operands.py). The launcher rearranges them into one uint8 operand (`_kernel_rhs`: per
+  weight row and K-step of tile_k = 64, 32 code bytes whose low nibbles are MX block 2kk and
+  high nibbles block 2kk + 1, then the two scale bytes). Per pipeline step the producer loads a
+  [2·tile_n, 64]-byte tile by TMA; a consumer warpgroup reads its [tile_n, 32] code bytes and
+  [tile_n, 16] scale bytes into registers, decodes the nibbles to fp32 E2M1 values, takes each
+  row's two scale bytes (a masked row sum), multiplies by 2^(byte − 127) as two exact
+  power-of-two factors (NaN for byte 255), writes the two [tile_n, 32] halves of the weight
+  tile to shared memory in the lhs dtype and issues one wgmma per half against the matching
+  half of the lhs tile (two [tile_m, 32] TMA tiles). Row schedule, ragged TMA-store epilogue
+  and tail zeros are gmm_mgpu's. `gmm_mx_mgpu_mxfp8` is the same kernel reading the activations
+  as MXFP8.
+  """
+  m, k = lhs_mk.shape
+  g, n, k_half = rhs_packed_gnh.shape
+  _check(k_half * 2 == k and rhs_scales_gnb.shape == (g, n, k // MX_BLOCK),
+         f"gmm_mx_mgpu: lhs {lhs_mk.shape}, rhs_packed {rhs_packed_gnh.shape} and rhs_scales "
+         f"{rhs_scales_gnb.shape} disagree")
+  _check_mx_config(config, k, n, lhs_mk.dtype, "gmm_mx_mgpu")
+  return _gmm_mx_call((lhs_mk,), _kernel_rhs(rhs_packed_gnh, rhs_scales_gnb), group_sizes_g,
+                      num_groups=g, n=n, dtype=lhs_mk.dtype, config=config, interpret=interpret)
+
+
+def gmm_mx_mgpu_mxfp8(lhs_codes_mk: jax.Array, lhs_scales_mb: jax.Array,
+                      rhs_packed_gnh: jax.Array, rhs_scales_gnb: jax.Array,
+                      group_sizes_g: jax.Array, *, dtype=jnp.bfloat16,
+                      config: MgpuConfig = MgpuConfig(), interpret: bool = False) -> jax.Array:
+  """out [M, N] (dtype) = ragged_dot(deq(lhs), deq(rhs)), both operands decoded in the kernel.
+
+  lhs: MXFP8, E4M3 codes [M, K] (float8_e4m3fn, or their uint8 bit patterns) and E8M0 bytes
+  [M, K/32]; rhs: MXFP4 in the release layout, as for `gmm_mx_mgpu`. The codes are read by TMA
+  as they are, as two [tile_m, 32]-byte tiles per K-step of 64 (one MX block each, 32-byte
+  swizzle), 1 byte per element against bf16's 2; the scale bytes travel as a third small
+  operand (`_kernel_lhs_scales`: 32 bytes per row and K-step, 2 of them used), so 1.5 bytes
+  per activation element in all.
+
+  Decoding, per consumer warpgroup and K-step half h (= MX block 2kk + h): the [tile_m, 32]
+  codes are loaded into registers in the wgmma layout and converted E4M3 → fp32 (on hardware
+  the cvt E4M3x2 → f16x2 conversion, exact for every code, subnormals included, then f16 →
+  fp32, exact), multiplied by the row's 2^(byte − 127) as two normal power-of-two factors, and
+  rounded to dtype; the wgmma then takes them as its register A operand. The factors and their
+  order are mx_operands.dequantize_lhs's, so both give the same values. For bf16 (and fp32)
+  the decoded value is exact whenever it is zero or a normal number (2^-126 ≤ |v| < 2^128):
+  an E4M3 value has at most 4 significant bits, a power-of-two scale keeps them, and bf16 has
+  8 and the exponent range of fp32; the two factors are each normal for every byte 0–254, so
+  no intermediate product leaves that range when the result does not. Values below 2^-126
+  (only with scale bytes below 10) are subnormal and may round or flush to zero. Scale byte
+  255 decodes its block to NaN (f1 is NaN for that row and block). dtype f16 is allowed but
+  its range is much narrower than an MXFP8 tensor's.
+
+  Shared memory with the default tiles (tile_m = tile_n = 128, tile_k = 64, 3 stages): per
+  stage 8 KiB codes + 4 KiB activation scales + 16 KiB weights, plus 64 KiB epilogue staging
+  and 32 KiB decoded weight halves: 180 KiB (4 stages: 208 KiB) of the H100/H200's 227 KiB.
+  """
+  m, k = lhs_codes_mk.shape
+  g, n, k_half = rhs_packed_gnh.shape
+  dtype = jnp.dtype(dtype)
+  _check(lhs_codes_mk.dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8)),
+         f"gmm_mx_mgpu_mxfp8: lhs codes must be float8_e4m3fn or uint8, got {lhs_codes_mk.dtype}")
+  _check(lhs_scales_mb.shape == (m, k // MX_BLOCK) and lhs_scales_mb.dtype == jnp.uint8,
+         f"gmm_mx_mgpu_mxfp8: lhs scales must be uint8 [{m}, {k // MX_BLOCK}], got "
+         f"{lhs_scales_mb.dtype}{list(lhs_scales_mb.shape)}")
+  _check(k_half * 2 == k and rhs_scales_gnb.shape == (g, n, k // MX_BLOCK),
+         f"gmm_mx_mgpu_mxfp8: lhs {lhs_codes_mk.shape}, rhs_packed {rhs_packed_gnh.shape} and "
+         f"rhs_scales {rhs_scales_gnb.shape} disagree")
+  _check(dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)),
+         f"gmm_mx_mgpu_mxfp8: dtype must be bf16, f16 or f32, got {dtype}")
+  _check_mx_config(config, k, n, dtype, "gmm_mx_mgpu_mxfp8")
+  codes = lax.bitcast_convert_type(lhs_codes_mk, jnp.uint8)   # the bit patterns; no copy
+  return _gmm_mx_call((codes, _kernel_lhs_scales(lhs_scales_mb)),
+                      _kernel_rhs(rhs_packed_gnh, rhs_scales_gnb), group_sizes_g, num_groups=g,
+                      n=n, dtype=dtype, config=config, interpret=interpret)
+
+
 def gmm_mx_pallas_gpu_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes_g,
-                              dtype, *, config: MgpuConfig = DEFAULT_CONFIG,
+                              dtype, *, lhs_decode: str = "kernel",
+                              config: MgpuConfig = DEFAULT_CONFIG,
                               interpret: bool = False) -> jax.Array:
-  """Forward of `gmm_mx` on Mosaic GPU (operand layout: mx_operands.py): the MXFP8 activations
-  are dequantised in XLA (an elementwise pass that fuses with their quantisation) and the MXFP4
-  weights in the kernel (`gmm_mx_mgpu`)."""
+  """Forward of `gmm_mx` on Mosaic GPU (operand layout: mx_operands.py). The MXFP4 weights are
+  always decoded in the kernel; the MXFP8 activations by the kernel too (lhs_decode="kernel",
+  `gmm_mx_mgpu_mxfp8`: 1 byte per activation element read) or dequantised in XLA first
+  (lhs_decode="xla", `gmm_mx_mgpu` on bf16 activations; an elementwise pass that can fuse with
+  their quantisation)."""
+  if lhs_decode == "kernel":
+    return gmm_mx_mgpu_mxfp8(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes_g,
+                             dtype=dtype, config=config, interpret=interpret)
+  if lhs_decode != "xla":
+    raise ValueError(f"lhs_decode must be 'kernel' or 'xla', got {lhs_decode!r}")
   lhs = mx_operands.dequantize_lhs(lhs_codes, lhs_scales, dtype)
   return gmm_mx_mgpu(lhs, rhs_packed, rhs_scales, group_sizes_g, config=config,
                      interpret=interpret)

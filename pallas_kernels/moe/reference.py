@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe.mx_operands import decode_e4m3
+
 
 def group_membership(group_sizes_g: jax.Array, num_rows: int) -> jax.Array:
   """member_mg [M, G] bool: row r is in group g iff start_g <= r < end_g (contiguous groups)."""
@@ -43,7 +45,7 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 def gmm_mx_reference(lhs_codes: jax.Array, lhs_scales: jax.Array, rhs_packed: jax.Array,
                      rhs_scales: jax.Array, group_sizes_g: jax.Array, dtype) -> jax.Array:
-  """gmm of MX operands (layout: mx_operands.py), decoded plainly: a table for E2M1, 2^(s − 127)
+  """gmm of MX operands (layout: mx_operands.py), decoded plainly: E4M3 from its bits, a table for E2M1, 2^(s − 127)
   for the E8M0 bytes (NaN for 255), both in fp32 (fp64 with x64), then `gmm_reference`.
   (`ldexp`, not `exp2`: XLA's exp2 is not exact at integers.)"""
   wide = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
@@ -51,7 +53,7 @@ def gmm_mx_reference(lhs_codes: jax.Array, lhs_scales: jax.Array, rhs_packed: ja
     s = bytes_.astype(jnp.int32)
     return jnp.where(s == 255, jnp.nan, jnp.ldexp(jnp.ones(s.shape, wide), s - 127))
   k = lhs_codes.shape[1]
-  lhs_mk = lhs_codes.astype(wide) * jnp.repeat(scale(lhs_scales), 32, axis=1)
+  lhs_mk = decode_e4m3(lhs_codes).astype(wide) * jnp.repeat(scale(lhs_scales), 32, axis=1)
   nib = jnp.stack([rhs_packed & 0xF, rhs_packed >> 4], axis=-1).reshape(*rhs_packed.shape[:2], k)
   mag = jnp.asarray(E2M1_MAGNITUDES, wide)[(nib & 7).astype(jnp.int32)]
   rhs_gnk = jnp.where((nib & 8) != 0, -mag, mag) * jnp.repeat(scale(rhs_scales), 32, axis=2)

@@ -1,6 +1,8 @@
 """gmm_mx: the grouped matmul on MX operands (MXFP8 activations, MXFP4 weights in the release
 layout) against the fake-quant path gmm(Q(lhs), Q(rhs)), on every backend (pallas_gpu in the
-Mosaic GPU interpreter, as in test_moe_pallas_gpu.py).
+Mosaic GPU interpreter, as in test_moe_pallas_gpu.py), and the Mosaic GPU MX kernels — MXFP4
+weights decoded in the kernel, activations read as bf16 (`gmm_mx_mgpu`) or as MXFP8 decoded in
+the kernel too (`gmm_mx_mgpu_mxfp8`) — against the bf16 kernel and a float64 reference.
 
 The MX operands are made by k3train.quant.mx, whose own tests check the quantisation rules;
 here the kernels' decoding (mx_operands.py) must agree with it bit for bit.
@@ -122,32 +124,129 @@ def test_mx_kernel_equals_fake_quant_in_interpret_mode():
   np.testing.assert_array_equal(out[sum(SIZES):], 0.0)
 
 
+def test_decode_e4m3_matches_float8_on_every_code():
+  """mx_operands.decode_e4m3 (bits → fp32 by integer ops) equals the float8_e4m3fn → fp32
+  conversion on all 256 codes, signs of zeros and the two NaNs included."""
+  b = jnp.arange(256, dtype=jnp.uint8)
+  got = np.asarray(mx_operands.decode_e4m3(b))
+  want = np.asarray(jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float32))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+  np.testing.assert_array_equal(mx_operands.decode_e4m3(jax.lax.bitcast_convert_type(
+      b, jnp.float8_e4m3fn)), got)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mxfp8_kernel_equals_bf16_kernel_and_reference_in_interpret_mode(dtype):
+  """gmm_mx_mgpu_mxfp8 (MXFP8 activations and MXFP4 weights both decoded in the kernel) on a
+  ragged problem (an empty group, groups smaller than and straddling the 64-row tile, 43 rows
+  past the groups, NaN scale bytes in both operands):
+
+  (a) equals the bf16-activation MX kernel on dequantised activations bit for bit (the same
+      wgmma split), and the plain kernel gmm_mgpu on dequantised activations and weights to
+      fp32 summation order (fp32: 1e-5; bf16: the same bf16 output, tolerance one rounding,
+      2^-8 relative);
+  (b) equals the float64 reference Σ deq(a)·deq(w) per group off the NaN rows and columns
+      within the output rounding: fp32 1e-5 relative, bf16 2^-8 relative (half an ulp of an
+      8-bit significand is at most 2^-8 of the value), plus 1e-4 absolute for fp32 summation;
+  and puts NaN exactly in the rows of the NaN activation block and the column of the NaN weight
+  block within its group, zeros past the groups."""
+  lhs, rhs, gs = inputs(seed=11)
+  ops = mx_operands_of(lhs, rhs)
+  codes, packed = ops["lhs_codes"], ops["rhs_packed"]
+  sbytes = ops["lhs_scales"].at[150, 2].set(255)            # row 150 (group 3), block 2
+  wbytes = ops["rhs_scales"].at[2, 17, 1].set(255)          # group 2, column 17, block 1
+  out = pallas_gpu.gmm_mx_mgpu_mxfp8(codes, sbytes, packed, wbytes, gs, dtype=dtype,
+                                     config=CFG_MX, interpret=True)
+  assert out.dtype == dtype and out.shape == (M, N)
+  lhs_q = mx_operands.dequantize_lhs(codes, sbytes, dtype)
+  rhs_q = mx_operands.dequantize_rhs(packed, wbytes, dtype)
+  same_split = pallas_gpu.gmm_mx_mgpu(lhs_q, packed, wbytes, gs, config=CFG_MX, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(same_split, np.float32))
+  plain = pallas_gpu.gmm_mgpu(lhs_q, rhs_q, gs, config=CFG_MX, interpret=True)
+  tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2.0 ** -8, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32), **tol)
+
+  out = np.asarray(out, np.float32)
+  ref = loop_gmm(mx_operands.dequantize_lhs(codes, sbytes, jnp.float32),
+                 mx_operands.dequantize_rhs(packed, wbytes, jnp.float32), SIZES)
+  want_nan = np.zeros((M, N), bool)
+  want_nan[150, :] = True
+  want_nan[sum(SIZES[:2]):sum(SIZES[:3]), 17] = True
+  np.testing.assert_array_equal(np.isnan(out), want_nan)
+  tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2.0 ** -8, atol=1e-4)
+  np.testing.assert_allclose(out[~want_nan], ref[~want_nan], **tol)
+  np.testing.assert_array_equal(out[sum(SIZES):], 0.0)
+
+
+def test_mxfp8_kernel_accepts_uint8_codes_and_rejects_bad_operands():
+  lhs, rhs, gs = inputs(seed=12)
+  ops = mx_operands_of(lhs, rhs)
+  args = (ops["lhs_scales"], ops["rhs_packed"], ops["rhs_scales"], gs)
+  f8 = pallas_gpu.gmm_mx_mgpu_mxfp8(ops["lhs_codes"], *args, config=CFG_MX, interpret=True)
+  u8 = pallas_gpu.gmm_mx_mgpu_mxfp8(jax.lax.bitcast_convert_type(ops["lhs_codes"], jnp.uint8),
+                                    *args, config=CFG_MX, interpret=True)
+  np.testing.assert_array_equal(f8, u8)
+  with pytest.raises(ValueError, match="lhs codes"):
+    pallas_gpu.gmm_mx_mgpu_mxfp8(lhs, *args, config=CFG_MX, interpret=True)
+  with pytest.raises(ValueError, match="lhs scales"):
+    pallas_gpu.gmm_mx_mgpu_mxfp8(ops["lhs_codes"], ops["lhs_scales"][:, :-1], *args[1:],
+                                 config=CFG_MX, interpret=True)
+  with pytest.raises(ValueError, match="tile_k"):
+    pallas_gpu.gmm_mx_mgpu_mxfp8(ops["lhs_codes"], *args, interpret=True,
+                                 config=pallas_gpu.MgpuConfig(tile_k=128))
+
+
 def test_gmm_mx_pallas_gpu_backend_bf16_in_interpret_mode():
-  """The op-level pallas_gpu backend (default tiles; MXFP8 dequantised in XLA, MXFP4 in the
-  kernel) on bf16 operands equals the fake-quant path on ragged_dot to bf16 rounding (2e-2)."""
+  """The op-level pallas_gpu backend (default tiles) on bf16 operands: the in-kernel MXFP8
+  decode (lhs_decode="kernel", the default) and the XLA one give the same output, equal to the
+  fake-quant path on ragged_dot to bf16 rounding (2e-2); the straight-through gradients (the
+  plain Mosaic GPU gmm / tgmm at the dequantised operands) equal the ragged_dot backend's to
+  bf16 rounding."""
   m, k, n, sizes = 136, 256, 256, [40, 0, 90]
   lhs, rhs = normal((m, k), 7, jnp.bfloat16), normal((3, k, n), 8, jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   ops = mx_operands_of(lhs, rhs)
   out = moe_ops.gmm_mx(lhs, rhs, gs, backend="pallas_gpu", **ops)
   assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(
+      out, moe_ops.gmm_mx(lhs, rhs, gs, backend="pallas_gpu", lhs_decode="xla", **ops))
   want = fake_quant_gmm(lhs, rhs, gs, "ragged_dot")
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                              rtol=2e-2, atol=2e-1)
+  ct = normal((m, n), 9, jnp.bfloat16)
+  grads = lambda backend: jax.grad(lambda a, b: jnp.sum(
+      (moe_ops.gmm_mx(a, b, gs, backend=backend, **ops) * ct).astype(jnp.float32)),
+      argnums=(0, 1))(lhs, rhs)
+  for got, ref in zip(grads("pallas_gpu"), grads("ragged_dot")):
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               rtol=2e-2, atol=2e-1)
+  with pytest.raises(ValueError, match="lhs_decode"):
+    moe_ops.gmm_mx(lhs, rhs, gs, backend="pallas_gpu", lhs_decode="registers", **ops)
 
 
-def test_mx_kernel_lowers_to_mosaic_gpu(monkeypatch):
-  """The hardware branches of gmm_mx_mgpu (layout-annotated loads, the register decode, the
-  wgmma operands) pass Mosaic GPU's layout inference and lowering for an H100/H200 (sm_90) with
-  the default tiles; nothing runs (no GPU here)."""
+@pytest.mark.parametrize("lhs_format", ["bf16", "mxfp8"])
+def test_mx_kernel_lowers_to_mosaic_gpu(monkeypatch, lhs_format):
+  """The hardware branches of gmm_mx_mgpu and gmm_mx_mgpu_mxfp8 (layout-annotated loads, the
+  register decodes, the wgmma operands — the activations as the register operand for mxfp8)
+  pass Mosaic GPU's layout inference and lowering for an H100/H200 (sm_90) with the default
+  tiles, and with 4 stages and tile_m = 64; nothing runs (no GPU here)."""
   monkeypatch.setattr(pallas_gpu, "_num_sms", lambda interpret: 132)
-  m, k, n, g = 512, 512, 512, 4
-  f = jax.jit(lambda a, p, s, gs: pallas_gpu.gmm_mx_mgpu(a, p, s, gs, interpret=False))
-  lowered = f.trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-                    jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8),
-                    jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8),
-                    jax.ShapeDtypeStruct((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+  m, k, n, g = 1000, 512, 512, 4
+  s = jax.ShapeDtypeStruct
+  rhs = (s((g, n, k // 2), jnp.uint8), s((g, n, k // 32), jnp.uint8), s((g,), jnp.int32))
+  for cfg in (pallas_gpu.MgpuConfig(), pallas_gpu.MgpuConfig(stages=4),
+              pallas_gpu.MgpuConfig(tile_m=64)):
+    if lhs_format == "bf16":
+      f = jax.jit(lambda a, p, w, gs: pallas_gpu.gmm_mx_mgpu(a, p, w, gs, config=cfg))
+      lhs = (s((m, k), jnp.bfloat16),)
+    else:
+      f = jax.jit(lambda c, sc, p, w, gs: pallas_gpu.gmm_mx_mgpu_mxfp8(c, sc, p, w, gs,
+                                                                       config=cfg))
+      lhs = (s((m, k), jnp.float8_e4m3fn), s((m, k // 32), jnp.uint8))
+    lowered = f.trace(*lhs, *rhs).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_gmm_mx_rejects_mismatched_operands():

@@ -232,3 +232,22 @@ def test_bad_arguments_fail_clearly():
     mx.dequantize(codes, scales[:, :1], "mxfp4")
   with pytest.raises(ValueError, match="float8_e4m3fn"):
     mx.dequantize(codes, scales, "mxfp8")
+
+
+def test_code_values_read_the_bits_and_agree_with_the_kernel_decoder():
+  """`mx.code_values` (a table by bit pattern) equals the dtype's own convert for every code and
+  the kernels' arithmetic E4M3 decoder: two independent decodings of all 256 + 16 codes. Under
+  jit with a quantisation in the same program it still rounds (nothing to fold)."""
+  import ml_dtypes
+  from pallas_kernels.moe.mx_operands import decode_e4m3
+  e4m3 = jnp.asarray(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn))
+  e2m1 = mx.e2m1_from_nibbles(jnp.arange(16, dtype=jnp.uint8))
+  for codes in (e4m3, e2m1):
+    got = np.asarray(mx.code_values(codes))
+    want = np.asarray(codes.astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+  np.testing.assert_array_equal(np.asarray(mx.code_values(e4m3)), np.asarray(decode_e4m3(e4m3)))
+  x = jnp.linspace(-3.0, 3.0, 64).reshape(2, 32) + 0.01
+  fq = jax.jit(lambda x: mx.fake_quant(x, "mxfp4"))(x)
+  assert len(np.unique(np.abs(np.asarray(fq)))) <= 8 * 2          # on the E2M1 grid of 2 blocks
