@@ -67,7 +67,7 @@ def k3_full() -> ml_collections.ConfigDict:
   q.weights = "mxfp4"             # expert weights, blocks of 32 along the input dim: mxfp4 | mxfp8
   q.activations = "mxfp8"         # expert GEMM inputs, blocks along the contraction dim: mxfp8 | mxfp4 | none
   q.scale_rule = "floor"          # E8M0 scale rule: floor (OCP reference) | rceil (cuBLAS / Blackwell)
-  q.gemm = "auto"                 # fake_quant | mx (gmm_mx reads MX codes) | auto (mx on GPU)
+  q.gemm = "auto"                 # fake_quant | mx (gmm_mx reads MX codes) | auto (fake_quant: faster today)
 
   r = m.attn_res = ml_collections.ConfigDict()
   r.block_size = 12               # decoder layers per AttnRes block

@@ -264,8 +264,9 @@ def expert_quant_from_config(q: Any) -> ExpertQuant | None:
     return None
   gemm = q.gemm
   if gemm == "auto":
-    gemm = ("mx" if jax.default_backend() == "gpu"
-            and (q.weights, q.activations) == ("mxfp4", "mxfp8") else "fake_quant")
+    # The MX kernel reads 4-bit weights but is bound by their in-register decode (4× the bf16
+    # gmm's time on an H200: benchmarks/moe_gmm_mx.md), so the fake-quant GEMMs are the default.
+    gemm = "fake_quant"
   return ExpertQuant(weights=q.weights, activations=q.activations, scale_rule=q.scale_rule,
                      gemm=gemm, start_step=int(q.start_step))
 

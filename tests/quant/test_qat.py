@@ -147,7 +147,7 @@ def test_exported_mxfp4_experts_reproduce_the_qat_forward_exactly():
 
 def test_config_section_is_validated_and_resolved():
   """model.quant: off by default; bad values stop at start naming the key; "auto" resolves to
-  the fake-quant GEMMs off GPU; enabling it needs MX-block-sized expert dims."""
+  the fake-quant GEMMs; enabling it needs MX-block-sized expert dims."""
   cfg = k3_tiny.get_config()
   assert cfg.model.quant.enabled is False
   assert moe_lib.expert_quant_from_config(cfg.model.quant) is None
@@ -170,4 +170,4 @@ def test_config_section_is_validated_and_resolved():
     config_lib.validate(bad)
   cfg.model.quant.update(enabled=True, start_step=7)
   q = moe_lib.expert_quant_from_config(config_lib.validate(cfg).model.quant)
-  assert q == moe_lib.ExpertQuant(gemm="fake_quant", start_step=7)   # CPU: fake-quant GEMMs
+  assert q == moe_lib.ExpertQuant(gemm="fake_quant", start_step=7)
