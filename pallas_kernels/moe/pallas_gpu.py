@@ -93,6 +93,56 @@ def _check(cond: bool, msg: str) -> None:
     raise ValueError(msg)
 
 
+@dataclasses.dataclass(frozen=True)
+class _WorkItem:
+  """One (M-tile, N-block) of the persistent grid: its group, its rows and its first column."""
+  ni: jax.Array
+  gid: jax.Array
+  tstart: jax.Array       # first row of the tile
+  vstart: jax.Array       # first row of the tile that belongs to the group
+  vsize: jax.Array        # number of the tile's rows that belong to the group
+  is_tail: jax.Array      # the tile lies past the last group (its rows are written as zeros)
+  col0: jax.Array         # first output column of this consumer warpgroup
+
+
+def _work_item(lin, grid, cfg, schedule_refs, num_groups: int, cta_n: int, tile_n: int, wg):
+  """The work item of linear index `lin` (snake order over `grid`) from the tile schedule."""
+  gid_ref, tstart_ref, vstart_ref, vsize_ref = schedule_refs
+  mi, ni = plgpu.planar_snake(lin, grid, cfg.grid_minor, cfg.grid_width)
+  gid = gid_ref[mi]
+  return _WorkItem(ni, gid, pl.multiple_of(tstart_ref[mi], min(cfg.align, 8)),
+                   vstart_ref[mi], vsize_ref[mi], gid >= num_groups, ni * cta_n + wg * tile_n)
+
+
+def _epilogue(out_smem, out_ref, wg, item: _WorkItem, tile_m: int, tile_n: int, epi_n: int,
+              dtype):
+  """store(acc_mn): a [tile_m, tile_n] result in dtype (None: zeros) → the item's valid rows of
+  out_ref, through two shared-memory slots of epi_n columns."""
+  def store(acc_mn):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for c in range(tile_n // epi_n):
+      slot = c % 2
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      if acc_mn is None:
+        out_smem[wg, slot] = jnp.zeros((tile_m, epi_n), dtype)
+      else:
+        out_smem[wg, slot] = acc_mn[:, c * epi_n:(c + 1) * epi_n]
+      plgpu.commit_smem()
+      _ragged_store(out_smem.at[wg, slot], out_ref, item.tstart, item.vstart, item.vsize, tile_m,
+                    pl.ds(item.col0 + c * epi_n, epi_n))
+  return store
+
+
+def _accumulate_then_store(tile_m: int, tile_n: int, dtype, store):
+  """The pipeline context: an fp32 accumulator for the pipeline, then `store` of its value."""
+  def context(run_pipeline):
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+    def _(acc_ref):
+      run_pipeline(acc_ref)
+      store(acc_ref[...].astype(dtype))
+  return context
+
+
 def _ragged_store(src_smem, dst_gmem, row0, valid_start, valid_size, max_rows: int, cols):
   """TMA-store rows [valid_start, valid_start + valid_size) of src_smem to dst rows row0 + same.
 
@@ -179,32 +229,11 @@ def gmm_mgpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Array, *,
       @plgpu.nd_loop((num_items * n_iters,), collective_axes="sm")
       def item_loop(info):
         (lin,) = info.index
-        mi, ni = plgpu.planar_snake(lin, (num_items, n_iters), cfg.grid_minor, cfg.grid_width)
-        gid = gid_ref[mi]
-        tstart = pl.multiple_of(tstart_ref[mi], min(cfg.align, 8))
-        vstart = vstart_ref[mi]
-        vsize = vsize_ref[mi]
-        is_tail = gid >= g
-        col0 = ni * cta_n + wg * tile_n
-
-        def store(acc_mn):  # acc_mn: [tile_m, tile_n] in dtype, or None for zeros
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for c in range(tile_n // epi_n):
-            slot = c % 2
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            if acc_mn is None:
-              out_smem[wg, slot] = jnp.zeros((tile_m, epi_n), dtype)
-            else:
-              out_smem[wg, slot] = acc_mn[:, c * epi_n:(c + 1) * epi_n]
-            plgpu.commit_smem()
-            _ragged_store(out_smem.at[wg, slot], out_ref, tstart, vstart, vsize, tile_m,
-                          pl.ds(col0 + c * epi_n, epi_n))
-
-        def context(run_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-          def _(acc_ref):
-            run_pipeline(acc_ref)
-            store(acc_ref[...].astype(dtype))
+        item = _work_item(lin, (num_items, n_iters), cfg, (gid_ref, tstart_ref, vstart_ref,
+                                                           vsize_ref), g, cta_n, tile_n, wg)
+        ni, gid, tstart, vsize, is_tail = item.ni, item.gid, item.tstart, item.vsize, item.is_tail
+        store = _epilogue(out_smem, out_ref, wg, item, tile_m, tile_n, epi_n, dtype)
+        context = _accumulate_then_store(tile_m, tile_n, dtype, store)
 
         def mma(_, a_smem, b_smem, acc_ref):
           if transpose_rhs:
@@ -567,32 +596,11 @@ def _gmm_mx_call(lhs_ops, rhs_k, group_sizes_g, *, num_groups: int, n: int, dtyp
       @plgpu.nd_loop((num_items * n_iters,), collective_axes="sm")
       def item_loop(info):
         (lin,) = info.index
-        mi, ni = plgpu.planar_snake(lin, (num_items, n_iters), cfg.grid_minor, cfg.grid_width)
-        gid = gid_ref[mi]
-        tstart = pl.multiple_of(tstart_ref[mi], min(cfg.align, 8))
-        vstart = vstart_ref[mi]
-        vsize = vsize_ref[mi]
-        is_tail = gid >= g
-        col0 = ni * cta_n + wg * tile_n
-
-        def store(acc_mn):  # acc_mn: [tile_m, tile_n] in dtype, or None for zeros
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for c in range(tile_n // epi_n):
-            slot = c % 2
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            if acc_mn is None:
-              out_smem[wg, slot] = jnp.zeros((tile_m, epi_n), dtype)
-            else:
-              out_smem[wg, slot] = acc_mn[:, c * epi_n:(c + 1) * epi_n]
-            plgpu.commit_smem()
-            _ragged_store(out_smem.at[wg, slot], out_ref, tstart, vstart, vsize, tile_m,
-                          pl.ds(col0 + c * epi_n, epi_n))
-
-        def context(run_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-          def _(acc_ref):
-            run_pipeline(acc_ref)
-            store(acc_ref[...].astype(dtype))
+        item = _work_item(lin, (num_items, n_iters), cfg, (gid_ref, tstart_ref, vstart_ref,
+                                                           vsize_ref), g, cta_n, tile_n, wg)
+        ni, gid, tstart, vsize, is_tail = item.ni, item.gid, item.tstart, item.vsize, item.is_tail
+        store = _epilogue(out_smem, out_ref, wg, item, tile_m, tile_n, epi_n, dtype)
+        context = _accumulate_then_store(tile_m, tile_n, dtype, store)
 
         def mma(_, *step_refs):
           *a_refs, r_smem, acc_ref = step_refs
