@@ -53,6 +53,7 @@ import jax                                    # noqa: E402
 import jax.numpy as jnp                       # noqa: E402
 
 from benchmarks import _flags                 # noqa: E402
+from benchmarks.moe_gmm import bench          # noqa: E402  (median seconds per call)
 from k3train.quant import mx                  # noqa: E402
 from pallas_kernels import moe as moe_ops     # noqa: E402
 from pallas_kernels.moe import mx_operands, pallas_gpu     # noqa: E402
@@ -106,23 +107,6 @@ def uneven_sizes(m, g, seed=0):
   p = rng.gamma(2.0, size=g)
   p[1 % g] = 0.0
   return rng.multinomial(m, p / p.sum()).astype(np.int32)
-
-
-def bench(f, *args, min_rep_s=0.1, reps=5):
-  """Median seconds per call of jitted f(*args) (compile and warm-up excluded)."""
-  jax.block_until_ready(f(*args))
-  t = time.perf_counter()
-  jax.block_until_ready(f(*args))
-  one = max(time.perf_counter() - t, 1e-5)
-  n = max(1, int(min_rep_s / one))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    for _ in range(n):
-      out = f(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t) / n)
-  return float(np.median(times))
 
 
 def reference(a_f32, w_f32, gs):
