@@ -5,9 +5,19 @@ profile; one JSON line per config.
 
 The step is `k3train.train.builder.build(cfg).step` (forward, backward, optimizer update, QK-Clip,
 QB bias update; state donated) on batches from the config's own data pipeline, as in training.
-The first call is reported as compile_s (tracing + compiling + one step); then `--steps` steps are
-timed each from the end of the previous one to the end of this one (the loss is fetched, so the
-device has finished). MFU = tokens/s × the train loop's model FLOPs per token / (device peak).
+It is compiled once ahead of time (`step.lower(state, batch).compile()`, reported as compile_s:
+tracing + compiling) and that executable runs every step: one untimed first execution, then
+`--steps` steps timed each from the end of the previous one to the end of this one (the loss is
+fetched, so the device has finished). MFU = tokens/s × the train loop's model FLOPs per token /
+(device peak).
+
+Memory, per device, in GiB: `xla_memory_gib` is XLA's memory analysis of that executable
+(arguments, temporaries, outputs, aliased, code) with total = arguments + temporaries + outputs −
+aliased (the donated state is both an argument and an output and is counted once);
+`plan_memory_gib` is the memory plan (k3train/tools/plan, the start-up check of `k3train.main`)
+of the same config, mesh and batch: its terms, its phases and total = its peak (the largest
+phase); `plan_vs_xla` = plan total / XLA total. The plan's terms are not disjoint ("expert
+buffers" is part of the "backward working set"), so they do not add up to its total.
 
 With --profile_steps > 0 those steps run under `jax.profiler.trace` and every device op's time is
 assigned to a model part by the `jax.named_scope` names in its HLO op_name (`PARTS`: KDA, MLA,
@@ -194,6 +204,70 @@ def part_profile(trace_dir: str, hlo_text: str, steps: int) -> dict:
 # ----------------------------------------------------------------------------- measurement
 
 
+def _gib(b: float) -> float:
+  """Bytes → GiB, 4 significant digits (tiny CPU configs are a few MiB)."""
+  return float(f"{b / 2**30:.4g}")
+
+
+def xla_memory(compiled) -> dict | None:
+  """Per-device bytes of XLA's memory analysis of the compiled step, or None when the backend
+  reports none. total = arguments + temporaries + outputs − aliased (the donated state's buffers
+  are both an argument and an output, counted once)."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:                                          # noqa: BLE001
+    return None
+  if isinstance(m, (list, tuple)):
+    m = m[0] if m else None
+  if m is None:
+    return None
+  out = {"arguments": int(m.argument_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
+         "outputs": int(m.output_size_in_bytes), "aliased": int(m.alias_size_in_bytes),
+         "code": int(getattr(m, "generated_code_size_in_bytes", 0) or 0)}
+  out["total"] = out["arguments"] + out["temporaries"] + out["outputs"] - out["aliased"]
+  return out
+
+
+def plan_memory(cfg, device_count: int) -> dict:
+  """Per-device bytes of the memory plan (k3train/tools/plan) of the step `measure` compiles: the
+  config as given (its mesh on `device_count` devices, batch, seq_len, micro-batches, remat), the
+  same call as the start-up check of `k3train.main`. Its terms, its phases, and total = the
+  largest phase (the plan's peak). Raises ValueError with the plan's message when it has none."""
+  from k3train import config as config_lib
+  from k3train.tools.plan import stages as stages_lib
+  stage = config_lib.Stage(0, "", 0, cfg.train.steps, 0, "", cfg)
+  memory = stages_lib.device_memory_gib() or 0.0           # only the plan's verdict uses it
+  ((_, p),) = stages_lib.stage_plans(cfg, device_count, device_memory_gib=memory, stages=[stage])
+  if isinstance(p, str):
+    raise ValueError(p)
+  out = {label.strip().removeprefix("of which ").replace(" ", "_").lower(): int(b)
+         for label, b, _ in p.lines}
+  out["phases"] = {k: int(v) for k, v in p.phases.items()}
+  out["total"] = int(p.peak)
+  return out
+
+
+def memory_row(compiled, cfg, device_count: int) -> dict:
+  """The JSON keys comparing XLA's memory analysis with the plan (both per device, in GiB)."""
+  row = {}
+  xla = xla_memory(compiled)
+  if xla is None:
+    row["xla_memory_gib"] = None
+  else:
+    row["xla_memory_gib"] = {k: _gib(v) for k, v in xla.items()}
+  try:
+    planned = plan_memory(cfg, device_count)
+  except Exception as e:                                     # noqa: BLE001
+    row["plan_memory_gib"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    planned = None
+  else:
+    row["plan_memory_gib"] = {k: ({kk: _gib(vv) for kk, vv in v.items()} if isinstance(v, dict)
+                                  else _gib(v)) for k, v in planned.items()}
+  row["plan_vs_xla"] = (round(planned["total"] / xla["total"], 3)
+                        if planned and xla and xla["total"] > 0 else None)
+  return row
+
+
 def measure(cfg, fv, name: str) -> dict:
   import jax
   import numpy as np
@@ -202,9 +276,6 @@ def measure(cfg, fv, name: str) -> dict:
   from k3train.train import metrics as metrics_lib
 
   t = cfg.train
-  if not jax.config.jax_compilation_cache_dir:   # lets the profile's lower().compile() hit it
-    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="k3_xla_cache_"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   run = builder.build(cfg)
   size = builder.model_size(cfg)
   data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
@@ -212,18 +283,23 @@ def measure(cfg, fv, name: str) -> dict:
   state = run.state
   loads = []
 
-  def one_step(state):
-    batch = run.layout.global_batch(next(data))
-    state, m = run.step(state, batch)
+  # Compiled once, ahead of time, on the first batch: the executable is the one timed, profiled
+  # and whose memory analysis is read (it keeps the jitted step's shardings and state donation).
+  batch = run.layout.global_batch(next(data))
+  t0 = time.perf_counter()
+  compiled = run.step.lower(state, batch).compile()
+  compile_s = time.perf_counter() - t0
+
+  def one_step(state, batch=None):
+    if batch is None:
+      batch = run.layout.global_batch(next(data))
+    state, m = compiled(state, batch)
     loss = float(np.asarray(m["loss"]))
     if fv.moe_loads and "moe_max_load" in m:
       loads.append(round(float(np.asarray(m["moe_max_load"])), 3))
     return state, loss
 
-  t0 = time.perf_counter()
-  state, loss = one_step(state)
-  compile_s = time.perf_counter() - t0
-  hlo_text = ""
+  state, loss = one_step(state, batch)                       # first execution, not timed
   times = []
   for _ in range(fv.steps):
     t0 = time.perf_counter()
@@ -241,14 +317,14 @@ def measure(cfg, fv, name: str) -> dict:
   row = {"name": name, "step_s": round(step_s, 4), "step_s_min": round(min(times), 4),
          "tokens_per_step": tokens, "tokens_per_s": round(tps, 1),
          "mfu": round(metrics_lib.mfu(tps, size.flops_per_token, t.peak_flops_per_device, 1), 4),
-         "flops_per_token": size.flops_per_token, "compile_s": round(compile_s - step_s, 1),
-         "loss_last": round(loss, 4), **peak}
+         "flops_per_token": size.flops_per_token, "compile_s": round(compile_s, 1),
+         "loss_last": round(loss, 4), **peak, **memory_row(compiled, cfg, jax.device_count())}
   if fv.profile_steps:
     trace_dir = fv.trace_dir or tempfile.mkdtemp(prefix="k3_trace_")
     trace_dir = os.path.join(trace_dir, name)
-    batch = run.layout.global_batch(next(data))
+    hlo_text = ""
     try:
-      hlo_text = run.step.lower(state, batch).compile().as_text()
+      hlo_text = compiled.as_text()
     except Exception as e:                                   # noqa: BLE001
       row["hlo_error"] = str(e).splitlines()[0][:200]
     with jax.profiler.trace(trace_dir):
@@ -261,7 +337,7 @@ def measure(cfg, fv, name: str) -> dict:
   if loads:
     row["moe_max_load"] = {"all": loads, "max_after_10": max(loads[10:], default=None),
                            "mean": round(float(np.mean(loads)), 3)}
-  del state, run
+  del state, run, compiled
   return row
 
 
@@ -292,13 +368,20 @@ def main(argv=None) -> int:
     row.update(env, overrides=pairs)
     rows.append(row)
     print(json.dumps(row), flush=True)
-  print(f"{'variant':<12} {'step ms':>9} {'tok/s':>9} {'MFU':>6} {'compile s':>9} {'peak GiB':>8}")
+  print(f"{'variant':<12} {'step ms':>9} {'tok/s':>9} {'MFU':>6} {'compile s':>9} {'peak GiB':>8} "
+        f"{'XLA GiB':>9} {'plan GiB':>9} {'plan/XLA':>8}")
   for r in rows:
     if "error" in r:
       print(f"{r['name']:<12} error: {r['error'][:80]}")
       continue
+    xla = (r.get("xla_memory_gib") or {}).get("total")
+    planned = (r.get("plan_memory_gib") or {}).get("total")
+    ratio = r.get("plan_vs_xla")
     print(f"{r['name']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} "
-          f"{r['compile_s']:>9.1f} {r.get('peak_gib', 0):>8.1f}")
+          f"{r['compile_s']:>9.1f} {r.get('peak_gib', 0):>8.1f} "
+          f"{'-' if xla is None else format(xla, '.4g'):>9} "
+          f"{'-' if planned is None else format(planned, '.4g'):>9} "
+          f"{'-' if ratio is None else format(ratio, '.3f'):>8}")
   return 0
 
 

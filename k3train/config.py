@@ -161,6 +161,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(e.latent_dim > 0 and e.expert_hidden > 0, "model.moe",
            "latent_dim and expert_hidden must be positive")
   _require(e.num_shared_experts >= 0, "model.moe.num_shared_experts", "must be >= 0")
+  _require(0 <= e.qb_rounds <= 16, "model.moe.qb_rounds", f"must lie in [0, 16], got {e.qb_rounds}")
   _require(e.num_shared_experts == 0 or e.shared_hidden % e.num_shared_experts == 0,
            "model.moe.shared_hidden",
            f"{e.shared_hidden} must be divisible by num_shared_experts={e.num_shared_experts}")
@@ -179,6 +180,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(t.microbatches >= 1 and t.global_batch_size % t.microbatches == 0, "train.microbatches",
            f"must be >= 1 and divide train.global_batch_size={t.global_batch_size}, "
            f"got {t.microbatches}")
+  _validate_loss_chunk(cfg)
   o = cfg.optim
   _require(o.optimizer in OPTIMIZERS, "optim.optimizer", f"must be one of {OPTIMIZERS}, got {o.optimizer!r}")
   _require(o.schedule in SCHEDULES, "optim.schedule", f"must be one of {SCHEDULES}, got {o.schedule!r}")
@@ -212,6 +214,19 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if t.use_stages:
     stages(cfg)       # raises ConfigError naming the stage and the key
   return cfg
+
+
+def _validate_loss_chunk(cfg: ml_collections.ConfigDict) -> None:
+  """train.loss_chunk_tokens (k3train/train/head_loss.py): 0, or a divisor of data.seq_len that
+  the sequence shards divide (each chunk's positions are split over them). A staged run
+  validates every stage's config, so every stage's seq_len is checked."""
+  c, seq, shards = cfg.train.loss_chunk_tokens, cfg.data.seq_len, cfg.parallel.sequence
+  shards = shards if shards > 1 else 1       # -1 (fill): the mesh checks the chunk at trace time
+  allowed = f"0 (unfused head) or a divisor of data.seq_len={seq}"
+  if shards > 1:
+    allowed += f" that is a multiple of parallel.sequence={shards}"
+  _require(c == 0 or (c > 0 and seq % c == 0 and c % shards == 0), "train.loss_chunk_tokens",
+           f"must be {allowed}, got {c}")
 
 
 def _validate_quant(m: ml_collections.ConfigDict) -> None:

@@ -59,6 +59,7 @@ def k3_full() -> ml_collections.ConfigDict:
   e.latent_norm = True
   e.quantile_balancing = True
   e.qb_mean_correction = True     # train: route with QB's proposal moved by each expert's mean-score change
+  e.qb_rounds = 2                 # train: QB rounds on the batch's own scores before routing (0: none)
   e.backend = "auto"              # pallas_kernels.moe: auto (pallas_gpu on GPU, else ragged_dot)
 
   q = m.quant = ml_collections.ConfigDict()   # MX QAT of the routed experts (docs/maths.md §7.5)
@@ -135,6 +136,10 @@ def k3_full() -> ml_collections.ConfigDict:
   t.seed = 0
   t.global_batch_size = 2048
   t.microbatches = 1               # gradient accumulation: the batch runs as N micro-batches
+  # > 0: the output head and cross-entropy run fused, this many positions of every row at a time
+  # (no [tokens, vocab] logits; gradients computed in the forward pass; k3train/train/head_loss.py).
+  # Must divide every stage's data.seq_len (and be a multiple of parallel.sequence). 0: unfused.
+  t.loss_chunk_tokens = 0
   t.steps = 1_000_000
   t.log_every = 10
   t.peak_flops_per_device = 989e12  # dense bf16 peak of one H100/H200, for MFU

@@ -423,6 +423,8 @@ class StableLatentMoE(nnx.Module):
     self.quantile_balancing = bool(moe_cfg.quantile_balancing)
     self.qb_mean_correction = (self.quantile_balancing
                                and bool(getattr(moe_cfg, "qb_mean_correction", False)))
+    self.qb_rounds = int(getattr(moe_cfg, "qb_rounds", 0)) if self.quantile_balancing else 0
+    self.qb_training_rule = self.qb_mean_correction or self.qb_rounds > 0
     self.dtype = dtype
     lin = dict(std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -459,18 +461,24 @@ class StableLatentMoE(nnx.Module):
     self.qb_pending.set_value(jax.lax.stop_gradient(pending_e.astype(jnp.float32)))
 
   @jax.named_scope("router")
-  def _route_mean_corrected(self, x_nd, real_n):
-    """Routes with the QB proposal moved by the change of each expert's mean score since the
-    batch it was computed from, b − (m − m_ref) re-centred; records this batch's means m."""
+  def _route_training(self, x_nd, real_n):
+    """Training routing (docs/maths.md §5.3, "QB under a moving router"): the stored proposal,
+    moved by each expert's mean-score change since its batch (qb_mean_correction; this batch's
+    means are recorded), then `qb_rounds` QB rounds on this batch's own scores."""
     scores_ne = self.router.scores(x_nd)
-    real = real_n.astype(jnp.float32)
-    mean_e = jax.lax.stop_gradient(jnp.sum(scores_ne * real[:, None], axis=0)
-                                   / jnp.maximum(jnp.sum(real), 1.0))
-    ref_e = self.qb_mean_score.get_value()
-    shift_e = jnp.where(jnp.all(ref_e == 0), 0.0, mean_e - ref_e)   # no reference yet: none
-    bias_e = self.router.bias.get_value() - (shift_e - jnp.mean(shift_e))
+    bias_e = self.router.bias.get_value()
+    if self.qb_mean_correction:
+      real = real_n.astype(jnp.float32)
+      mean_e = jax.lax.stop_gradient(jnp.sum(scores_ne * real[:, None], axis=0)
+                                     / jnp.maximum(jnp.sum(real), 1.0))
+      ref_e = self.qb_mean_score.get_value()
+      shift_e = jnp.where(jnp.all(ref_e == 0), 0.0, mean_e - ref_e)   # no reference yet: none
+      bias_e = bias_e - (shift_e - jnp.mean(shift_e))
+      self.qb_mean_score.set_value(jnp.where(jnp.sum(real) > 0, mean_e, ref_e))
+    with jax.named_scope("router_qb"):
+      for _ in range(self.qb_rounds):
+        bias_e = quantile_balancing_bias(scores_ne, bias_e, real_n, self.top_k)
     self.router.bias.set_value(bias_e)     # the bias this batch routed with (QB's α reads it)
-    self.qb_mean_score.set_value(jnp.where(jnp.sum(real) > 0, mean_e, ref_e))
     weights_nk, idx_nk = route(scores_ne, bias_e, self.top_k, renormalize=self.router.renormalize,
                                routed_scaling_factor=self.router.routed_scaling_factor)
     return weights_nk, idx_nk, scores_ne
@@ -495,8 +503,8 @@ class StableLatentMoE(nnx.Module):
     real_n = (jnp.ones((b * t,), bool) if token_mask_bt is None
               else token_mask_bt.reshape(b * t).astype(bool))
 
-    if self.qb_mean_correction and _QB_TRAINING.get():
-      weights_nk, idx_nk, scores_ne = self._route_mean_corrected(x_nd, real_n)
+    if self.qb_training_rule and _QB_TRAINING.get():
+      weights_nk, idx_nk, scores_ne = self._route_training(x_nd, real_n)
     else:
       weights_nk, idx_nk, scores_ne = self.router(x_nd)
     self._record_routing_stats(scores_ne, idx_nk, real_n)

@@ -85,7 +85,8 @@ def train_step_fn(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.Gra
                          loss_spike_ema=o.loss_spike_ema,
                          qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
                          mla_nope_dim=cfg.model.mla.qk_nope_head_dim,
-                         microbatches=cfg.train.microbatches, quant=cfg.model.quant)
+                         microbatches=cfg.train.microbatches, quant=cfg.model.quant,
+                         loss_chunk_tokens=cfg.train.loss_chunk_tokens)
   return with_mtp_metrics(step) if cfg.model.mtp.enabled else step
 
 

@@ -17,6 +17,7 @@ batch), anything else taken from the last micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ from k3train.model import moe
 from k3train.model import mtp as mtp_lib
 from k3train.model.mla import MaxLogit
 from k3train.optim.qk_clip import qk_clip
+from k3train.train.head_loss import fused_head_cross_entropy
 from k3train.tree_paths import path_names
 
 
@@ -145,38 +147,51 @@ def loss_mask_of(batch: dict, placeholder_id: int | None) -> jax.Array:
   return batch["loss_mask"] * (batch["targets"] != placeholder_id).astype(batch["loss_mask"].dtype)
 
 
-def head_loss(model, x_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
+def head_loss(model, x_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array,
+              loss_chunk_tokens: int = 0):
   """(mean cross-entropy over mask, number of counted tokens) of the shared output head on
-  normalised final hidden states x [B, T, d]; the main and the MTP loss both come through here."""
-  logits_btv = constrain(model.lm_head(x_btd), ax.BATCH, ax.SEQ, ax.VOCAB)
-  return cross_entropy(logits_btv, targets_bt, mask_bt)
+  normalised final hidden states x [B, T, d]; the main and the MTP loss both come through here.
+
+  loss_chunk_tokens (`train.loss_chunk_tokens`) > 0: the fused, chunked head of
+  k3train/train/head_loss.py (no [B, T, V] logits; gradients computed in the forward pass);
+  0: the head's logits [B, T, V], then `cross_entropy`.
+  """
+  with jax.named_scope("head_loss"):
+    if loss_chunk_tokens > 0:
+      head = model.lm_head
+      return fused_head_cross_entropy(x_btd, head.kernel[...], targets_bt, mask_bt,
+                                      chunk_tokens=loss_chunk_tokens, dtype=head.dtype)
+    logits_btv = constrain(model.lm_head(x_btd), ax.BATCH, ax.SEQ, ax.VOCAB)
+    return cross_entropy(logits_btv, targets_bt, mask_bt)
 
 
-def forward_loss(graphdef, params, rest, batch):
+def forward_loss(graphdef, params, rest, batch, loss_chunk_tokens: int = 0):
   """Loss and the updated non-parameter state for one batch (vision keys go to the tower).
 
   The loss is the mean next-token cross-entropy over the loss tokens; with an MTP module
   (model.mtp) plus λ · the MTP cross-entropy summed over its positions / the loss tokens
-  (k3train/model/mtp.py), so micro-batches weighted by their loss tokens stay exact."""
+  (k3train/model/mtp.py), so micro-batches weighted by their loss tokens stay exact. Both heads
+  run as `head_loss` with `loss_chunk_tokens` (`train.loss_chunk_tokens`)."""
   model = nnx.merge(graphdef, params, rest, copy=True)  # fresh Variables at this trace level
   token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
   vision = {k: batch[k] for k in VISION_BATCH_KEYS if k in batch} or None
   mask = loss_mask_of(batch, getattr(model, "placeholder_id", None))
   h = model.hidden_states(batch["tokens"], batch["segment_ids"], token_mask, vision)
-  loss, n_tokens = head_loss(model, model.final_norm(h), batch["targets"], mask)
+  loss, n_tokens = head_loss(model, model.final_norm(h), batch["targets"], mask, loss_chunk_tokens)
   if getattr(model, "mtp", None) is not None:
-    mtp_sum = mtp_ce_sum(model, h, batch, mask, token_mask)
+    mtp_sum = mtp_ce_sum(model, h, batch, mask, token_mask, loss_chunk_tokens)
     loss = loss + model.mtp_loss_weight * mtp_sum / jnp.maximum(n_tokens, 1.0)
   _, _, new_rest = nnx.split(model, nnx.Param, ...)
   return loss, (new_rest, n_tokens)
 
 
-def mtp_ce_sum(model, h_btd: jax.Array, batch: dict, mask_bt: jax.Array, token_mask_bt: jax.Array):
+def mtp_ce_sum(model, h_btd: jax.Array, batch: dict, mask_bt: jax.Array, token_mask_bt: jax.Array,
+               loss_chunk_tokens: int = 0):
   """The MTP cross-entropy (fp32) summed over the batch's MTP positions, from the main hidden
   states h [B, T, d]; the sum and the positions' number go to the module's MTPStats."""
   targets, mtp_mask = mtp_lib.mtp_targets(batch["targets"], mask_bt, batch["segment_ids"])
   x = model.mtp_hidden(h_btd, batch["targets"], batch["segment_ids"], token_mask_bt)
-  ce, n = head_loss(model, x, targets, mtp_mask)
+  ce, n = head_loss(model, x, targets, mtp_mask, loss_chunk_tokens)
   ce_sum = ce * n
   model.mtp.stats[...] = jax.lax.stop_gradient(jnp.stack([ce_sum, n]))
   return ce_sum
@@ -213,14 +228,16 @@ def _combine_rest(rest_stacked):
   return jax.tree.map(reduce, rest_stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1):
+def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
+                   loss_chunk_tokens: int = 0):
   """(loss, (new rest, loss tokens), grads) for one step's batch, accumulated over micro-batches.
 
   microbatches == 1 is the plain value_and_grad of `forward_loss`. Otherwise the batch size must
   divide by it; gradients accumulate in fp32 inside a scan (one micro-batch's activations live at
-  a time) and come back in the parameters' dtype.
+  a time) and come back in the parameters' dtype. loss_chunk_tokens: see `head_loss`.
   """
-  grad_fn = jax.value_and_grad(forward_loss, argnums=1, has_aux=True)
+  loss_fn = functools.partial(forward_loss, loss_chunk_tokens=loss_chunk_tokens)
+  grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
   if microbatches == 1:
     return grad_fn(graphdef, params, rest, batch)
   size = batch["tokens"].shape[0]
@@ -282,7 +299,8 @@ def nonfinite_check(new_state: TrainState, grad_norm, skip) -> dict:
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_spike_factor: float = 0.0,
                     loss_spike_ema: float = 0.99, qk_clip_tau: float | None = None,
-                    mla_nope_dim: int | None = None, microbatches: int = 1, quant=None):
+                    mla_nope_dim: int | None = None, microbatches: int = 1, quant=None,
+                    loss_chunk_tokens: int = 0):
   """train_step(state, batch) -> (state, metrics); jit it with explicit shardings at the call site.
 
   quant: the `model.quant` config section (None or enabled=False: no QAT). From step
@@ -292,7 +310,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
   weights uses the straight-through gradients.
 
   With microbatches > 1 the gradients are accumulated over that many micro-batches of the batch
-  (see `loss_and_grads`) before the one optimizer update.
+  (see `loss_and_grads`) before the one optimizer update. loss_chunk_tokens
+  (`train.loss_chunk_tokens`) > 0 runs the main and MTP heads fused and chunked (`head_loss`).
 
   After the optimizer update: QK-Clip on MLA heads whose max logit of this batch exceeded
   `qk_clip_tau` (None: off), the Quantile-Balancing router-bias update, and the loss-spike guard.
@@ -307,7 +326,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
       params_fwd = moe.fake_quant_expert_weights(state.params, qat, qat_on)
     with moe.expert_quantization(qat, qat_on, weights_quantized=True), moe.qb_training_routing():
       (loss, (rest, n_tokens)), grads = loss_and_grads(graphdef, params_fwd, state.rest, batch,
-                                                       microbatches)
+                                                       microbatches, loss_chunk_tokens=loss_chunk_tokens)
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
