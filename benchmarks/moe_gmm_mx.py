@@ -13,6 +13,9 @@ that already hold Q(W), as in a QAT step; k3train/model/moe.py `_mx_gmm`):
               the default of gemm="mx")
   *_kernel_only / mx_kernel_s4 / mx_kernel_m64   the MX kernel alone on ready encodings
               (forward; mx_kernel_s4: 4 pipeline stages, mx_kernel_m64: tile_m = 64)
+  mx_xla_bits / mx_kernel_bits   mx_xla_kernel_only / mx_kernel_kernel_only with the MXFP4
+              weights decoded by integer bit construction (MgpuConfig.e2m1_decode="bits"; the
+              others use the default "select")
 
 Forward and forward+backward (gradients wrt a and w through the op's VJP; 3·2·M·K·N FLOPs).
 Correctness per case at the benchmark shape: max abs error of the forward against the fp32
@@ -24,15 +27,17 @@ Before the cases, each shape logs how many elements of a jitted fake_quant(a) di
 dequantize(quantize(a)) computed in two jits (XLA:GPU folds the float32 → float8 → float32
 convert pair of a one-jit quantise-dequantise unless --xla_allow_excess_precision=false).
 
-  python3 benchmarks/moe_gmm_mx.py                      # on the H200: one command, < 3 minutes
+  python3 benchmarks/moe_gmm_mx.py                      # on the H200: one command, < 5 minutes
   python3 benchmarks/moe_gmm_mx.py --interpret          # CPU smoke test at tiny shapes
   python3 benchmarks/moe_gmm_mx.py --config=configs/k3_h200.py   # shapes from a config
 
 First a numerical check of the two MX kernels on a small ragged problem (part "numerics": empty
-group, rows past the groups, NaN scale bytes). Each part runs in its own process (a GPU fault
-stays local); a failing case prints its error and the others go on; no case starts after
---max_seconds. One JSON line per case ("RESULT {...}") and a table last. On an H200 the whole
-run took about 150 s (each shape about 65 s, most of it compiles and the fp32 references).
+group, rows past the groups, NaN scale bytes; numerics_mx_bits: the in-kernel activation decode
+with the "bits" weight decode, whose output must equal numerics_mx_kernel's). Each part runs in
+its own process (a GPU fault stays local); a failing case prints its error and the others go on;
+no case starts after --max_seconds. One JSON line per case ("RESULT {...}") and a table last.
+On an H200 the whole run took about 150 s before the two "bits" cases per shape were added
+(each shape about 65 s, most of it compiles and the fp32 references).
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ TINY = dict(experts=4, latent=256, hidden=256, top_k=2, tokens=100)    # --inter
 FLAGS = (
     _flags.Flag("interpret", "bool", False, "CPU smoke test: tiny shapes, Pallas interpret mode, "
                 "one process, no timing loop"),
-    _flags.Flag("max_seconds", "float", 165.0, "start no new case after this many seconds "
+    _flags.Flag("max_seconds", "float", 240.0, "start no new case after this many seconds "
                 "(with --interpret: no limit unless given)"),
     _flags.Flag("tokens", "int", 0, "tokens per step (0: 2 × 4096, or 2 × data.seq_len with "
                 "--config)"),
@@ -77,8 +82,8 @@ FLAGS = (
     _flags.Flag("part", "str", None, "numerics | gate | down (internal: one subprocess each)"),
 )
 
-CASES = ("bf16", "fake_quant", "mx_xla", "mx_kernel", "mx_xla_kernel_only",
-         "mx_kernel_kernel_only", "mx_kernel_s4", "mx_kernel_m64")
+CASES = ("bf16", "fake_quant", "mx_xla", "mx_kernel", "mx_xla_kernel_only", "mx_xla_bits",
+         "mx_kernel_kernel_only", "mx_kernel_bits", "mx_kernel_s4", "mx_kernel_m64")
 
 
 def log(*a):
@@ -172,7 +177,9 @@ def run_part(part: str, g: int, m: int, k: int, n: int, f) -> list[dict]:
          "mx_kernel": gmm_mx("kernel")}
   only = {"mx_xla_kernel_only": kernel_only("xla"), "mx_kernel_kernel_only": kernel_only("kernel"),
           "mx_kernel_s4": kernel_only("kernel", pallas_gpu.MgpuConfig(stages=4)),
-          "mx_kernel_m64": kernel_only("kernel", pallas_gpu.MgpuConfig(tile_m=64))}
+          "mx_kernel_m64": kernel_only("kernel", pallas_gpu.MgpuConfig(tile_m=64)),
+          "mx_xla_bits": kernel_only("xla", pallas_gpu.MgpuConfig(e2m1_decode="bits")),
+          "mx_kernel_bits": kernel_only("kernel", pallas_gpu.MgpuConfig(e2m1_decode="bits"))}
   wanted = [c for c in CASES if not f.cases or c in f.cases]
   rows = []
   for case in wanted:
@@ -231,7 +238,8 @@ def run_numerics(f) -> list[dict]:
   group, a group smaller than a tile, 63 rows past the groups), K = 256, N = 512, a NaN scale
   byte in the activations (row 300, block 3) and in the weights (group 4, column 17, block 5).
   Checks against the fp32 reference: max abs error off the NaN rows/columns, exactly the expected
-  NaNs, zeros past the groups; and the in-kernel activation decode against the XLA one."""
+  NaNs, zeros past the groups; the in-kernel activation decode against the XLA one, and the
+  "bits" weight decode against the default one (bit for bit)."""
   interp = bool(f.interpret)
   m, k, n, sizes = 1003, 256, 512, [200, 0, 333, 7, 400]
   gs = jnp.asarray(sizes, jnp.int32)
@@ -256,11 +264,16 @@ def run_numerics(f) -> list[dict]:
   want_nan[g4, 17] = True
   rows = []
   outs = {}
-  for case, lhs_decode in (("numerics_mx_kernel", "kernel"), ("numerics_mx_xla", "xla")):
+  for case, lhs_decode, e2m1 in (("numerics_mx_kernel", "kernel", "select"),
+                                 ("numerics_mx_xla", "xla", "select"),
+                                 ("numerics_mx_bits", "kernel", "bits")):
     res = {"shape": "numerics", "G": len(sizes), "M": m, "K": k, "N": n, "case": case}
     try:
-      fn = jax.jit(lambda c, s_, p, ws, d=lhs_decode: pallas_gpu.gmm_mx_pallas_gpu_forward(
-          c, s_, p, ws, gs, jnp.bfloat16, lhs_decode=d, interpret=interp))
+      cfg = pallas_gpu.MgpuConfig(e2m1_decode=e2m1)
+      fn = jax.jit(lambda c, s_, p, ws, d=lhs_decode, cfg=cfg:
+                   pallas_gpu.gmm_mx_pallas_gpu_forward(c, s_, p, ws, gs, jnp.bfloat16,
+                                                        lhs_decode=d, config=cfg,
+                                                        interpret=interp))
       out = np.asarray(fn(codes, sbytes, packed, wsc).astype(jnp.float32))
       outs[case] = out
       ok_mask = ~want_nan
@@ -269,6 +282,9 @@ def run_numerics(f) -> list[dict]:
       res.update(max_abs_err=err, err_bound=bound, ok=bool(err <= bound),
                  nan_as_expected=bool(np.array_equal(np.isnan(out), want_nan)),
                  tail_rows_zero=bool(np.all(out[used:] == 0)))
+      if e2m1 == "bits" and "numerics_mx_kernel" in outs:
+        res["equals_select"] = bool(np.array_equal(out, outs["numerics_mx_kernel"],
+                                                   equal_nan=True))
       log(f"numerics {case}: " + ", ".join(f"{key}={val}" for key, val in res.items()
                                           if key not in ("shape", "G", "M", "K", "N", "case")))
     except Exception as e:  # noqa: BLE001
@@ -277,7 +293,7 @@ def run_numerics(f) -> list[dict]:
       traceback.print_exc(limit=4)
     print("RESULT " + json.dumps(res), flush=True)
     rows.append(res)
-  if len(outs) == 2:
+  if "numerics_mx_kernel" in outs and "numerics_mx_xla" in outs:
     d = np.abs(np.nan_to_num(outs["numerics_mx_kernel"]) - np.nan_to_num(outs["numerics_mx_xla"]))
     log(f"numerics: in-kernel vs XLA activation decode, max abs difference {float(d.max()):.3g}")
   return rows

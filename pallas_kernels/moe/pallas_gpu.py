@@ -29,7 +29,10 @@ warpgroups issuing wgmma, each owning a [tile_m, tile_n] fp32 accumulator; a CTA
   fed to the wgmma as its register operand. Both are tested in interpret mode and lowered to
   Mosaic GPU (layout inference included) on CPU, and have run on an H200 (jax 0.11.2:
   benchmarks/moe_gmm_mx.py), where they are correct but bound by the in-register decode: about
-  120–130 TFLOP/s at the k3_h200 expert shapes, against 560 for `gmm_mgpu`.
+  120–130 TFLOP/s at the k3_h200 expert shapes, against 560 for `gmm_mgpu`. The weight decode
+  is a config choice (`MgpuConfig.e2m1_decode`): "select" (default) converts the E2M1 fields to
+  fp32 and multiplies by the scale; "bits" builds the fp32 bit patterns, scale in the exponent,
+  by integer ops only (equal values; not yet timed on hardware).
 
 Constraints (checked, with a clear error): lhs and rhs of one dtype (bf16/f16; f32 runs as tf32);
 K % tile_k == 0, N % (2·tile_n) == 0; rows M ≥ tile (smaller M is zero-padded by the caller).
@@ -52,11 +55,15 @@ from pallas_kernels.moe.schedule import group_bounds, row_schedule
 from pallas_kernels.moe.vjp import differentiable_gmm
 
 _NUM_COMPUTE_WGS = 2
+# MX kernels' in-register MXFP4 weight decodes (`MgpuConfig.e2m1_decode`): "select"
+# (`_decode_e2m1_f32` times the scale) and "bits" (`_decode_e2m1_bits`).
+E2M1_DECODES = ("select", "bits")
 
 
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
-  """Tile sizes of the Mosaic GPU kernels (a CTA covers [tile_m, 2·tile_n] of the output)."""
+  """Tile sizes of the Mosaic GPU kernels (a CTA covers [tile_m, 2·tile_n] of the output), and
+  the MX kernels' MXFP4 weight decode (`E2M1_DECODES`)."""
   tile_m: int = 128        # rows of one work item (gmm) / K-rows of the output tile (tgmm)
   tile_n: int = 128        # output columns per consumer warpgroup
   tile_k: int = 64         # reduction step (K for gmm, rows for tgmm)
@@ -65,6 +72,12 @@ class MgpuConfig:
   grid_minor: int = 0      # planar-snake minor dimension of the (m-item, n-tile) grid (0 = m)
   grid_width: int = 8      # planar-snake band width
   align: int = 8           # row alignment of gmm tile starts
+  e2m1_decode: str = "select"   # MX kernels' E2M1 decode: "select" or "bits"
+
+  def __post_init__(self):
+    if self.e2m1_decode not in E2M1_DECODES:
+      raise ValueError(f"MgpuConfig.e2m1_decode must be one of {', '.join(E2M1_DECODES)}, got "
+                       f"{self.e2m1_decode!r}")
 
 
 def _num_sms(interpret: bool) -> int:
@@ -502,13 +515,62 @@ def _kernel_lhs_scales(scales_mb: jax.Array) -> jax.Array:
   return jnp.concatenate([pairs, pad], axis=-1).reshape(m, (nb // 2) * _MX_SCALE_ROW_BYTES)
 
 
+def _row_byte(bytes_x16: jax.Array, col: jax.Array, h: int) -> jax.Array:
+  """Scale bytes [rows, 16] (int32; byte h of a row is its block-h scale) → byte h, int32 [rows]
+  (a masked row sum)."""
+  return jnp.sum(jnp.where(col == h, bytes_x16, 0), axis=1)
+
+
 def _row_factors(bytes_x16: jax.Array, col: jax.Array, h: int):
   """Scale bytes [rows, 16] (int32; byte h of a row is its block-h scale) → (f1, f2) fp32 [rows]
   with f1 · f2 = 2^(byte − 127), f1 NaN where the byte is 255 (so the block decodes to NaN
   through the product, without a select per element)."""
-  byte = jnp.sum(jnp.where(col == h, bytes_x16, 0), axis=1)
+  byte = _row_byte(bytes_x16, col, h)
   f1, f2 = _pow2_factors(byte)
   return jnp.where(byte == 255, jnp.nan, f1), f2
+
+
+_F32_INF_BITS = 0x7F800000
+_F32_NAN_BITS = 0x7FC00000
+
+
+def _e2m1_bits_rows(byte: jax.Array) -> tuple[jax.Array, ...]:
+  """E8M0 bytes s, int32 [rows] → (base, low, thr, lim), uint32 [rows]: the per-row operands of
+  `_decode_e2m1_bits`, computed once per row and block instead of once per element.
+
+  base = (s − 1) << 23, the bits of code i ≥ thr being (i << 22) + base (modulo 2^32: for s = 0
+  base wraps and codes 4–7 are still right); low = the bits of code 1, 0.5 · 2^(s − 127), or 0
+  where that is subnormal (s ≤ 1); thr = 2, or 4 for s = 0 (codes 2–3 are then subnormal too);
+  lim = +inf's bits. Subnormal values are flushed to ±0, as `mx.dequantize` gives them (XLA
+  flushes its subnormal products; mx.py and mx_operands.py allow values below 2^-126 to flush).
+  Byte 255 (NaN): base = lim = NaN's bits and thr = 0, so every code of the block decodes to
+  NaN."""
+  nan = byte == 255
+  exp = (byte - 1) << 23
+  base = jnp.where(nan, _F32_NAN_BITS, exp)
+  low = jnp.where(byte >= 2, exp, 0)
+  thr = jnp.where(nan, 0, jnp.where(byte == 0, 4, 2))
+  lim = jnp.where(nan, _F32_NAN_BITS, _F32_INF_BITS)
+  return tuple(x.astype(jnp.uint32) for x in (base, low, thr, lim))
+
+
+def _decode_e2m1_bits(nib: jax.Array, base: jax.Array, low: jax.Array, thr: jax.Array,
+                      lim: jax.Array) -> jax.Array:
+  """Nibbles (integers, low 4 bits) and their rows' `_e2m1_bits_rows` (broadcast to the nibbles'
+  shape) → fp32 E2M1 · 2^(s − 127), the bit pattern built by integer ops (no int → float convert,
+  no float multiply: 10 integer ops per element in the lowered Mosaic GPU IR, against 20 for the
+  select decode, two of them int → float converts).
+
+  With magnitude index i = 2e + m, a normal value 2^(e−1)·(1 + m/2)·2^(s−127) (e ≥ 1) has the
+  fp32 exponent field e − 1 + s and the top mantissa bit m: bits (e << 23) + (m << 22) +
+  ((s − 1) << 23) = (i << 22) + base. Code 1 (2^-1 · 2^(s−127)) has the bits (s − 1) << 23 =
+  low, code 0 the bits 0 = 0 · low: below thr the bits are i · low. The unsigned min with lim
+  turns exponent fields past 254 (s ≥ 253) into +inf, as fp32 rounds those values; bit 3 of the
+  nibble is the sign, bit 31."""
+  n = nib.astype(jnp.uint32)
+  i = n & 7
+  mag = jnp.minimum(jnp.where(i >= thr, (i << 22) + base, i * low), lim)
+  return lax.bitcast_convert_type(mag | ((n & 8) << 28), jnp.float32)
 
 
 def _check_mx_config(cfg: MgpuConfig, k: int, n: int, dtype, name: str) -> None:
@@ -609,10 +671,15 @@ def _gmm_mx_call(lhs_ops, rhs_k, group_sizes_g, *, num_groups: int, n: int, dtyp
           # MXFP4 weights: nibbles → E2M1 values, times the row's scale, into shared memory.
           codes_nh = load(r_smem.at[own, pl.ds(0, half)]).astype(jnp.int32)
           wbytes_n16 = load(r_smem.at[own, pl.ds(half, 16)]).astype(jnp.int32)
+          col_n16 = col_iota(tile_n)
           for h, nib in enumerate((codes_nh & 15, (codes_nh >> 4) & 15)):  # blocks 2kk, 2kk+1
-            f1, f2 = _row_factors(wbytes_n16, col_iota(tile_n), h)
-            w_smem[wg, h] = (_decode_e2m1_f32(nib) * row(f1, tile_n) * row(f2, tile_n)
-                             ).astype(dtype)
+            if cfg.e2m1_decode == "bits":
+              bits_rows = _e2m1_bits_rows(_row_byte(wbytes_n16, col_n16, h))
+              w_nh = _decode_e2m1_bits(nib, *(row(x, tile_n) for x in bits_rows))
+            else:
+              f1, f2 = _row_factors(wbytes_n16, col_n16, h)
+              w_nh = _decode_e2m1_f32(nib) * row(f1, tile_n) * row(f2, tile_n)
+            w_smem[wg, h] = w_nh.astype(dtype)
           if mx_lhs:
             # MXFP8 activations: E4M3 code bytes → fp32 (exact), times the row's scale, rounded
             # to dtype in registers, where the wgmma reads them (its register A operand). The
@@ -668,13 +735,15 @@ def gmm_mx_mgpu(lhs_mk: jax.Array, rhs_packed_gnh: jax.Array, rhs_scales_gnb: ja
   weight row and K-step of tile_k = 64, 32 code bytes whose low nibbles are MX block 2kk and
   high nibbles block 2kk + 1, then the two scale bytes). Per pipeline step the producer loads a
   [2·tile_n, 64]-byte tile by TMA; a consumer warpgroup reads its [tile_n, 32] code bytes and
-  [tile_n, 16] scale bytes into registers, decodes the nibbles to fp32 E2M1 values, takes each
-  row's two scale bytes (a masked row sum), multiplies by 2^(byte − 127) as two exact
-  power-of-two factors (NaN for byte 255), writes the two [tile_n, 32] halves of the weight
-  tile to shared memory in the lhs dtype and issues one wgmma per half against the matching
-  half of the lhs tile (two [tile_m, 32] TMA tiles). Row schedule, ragged TMA-store epilogue
-  and tail zeros are gmm_mgpu's. `gmm_mx_mgpu_mxfp8` is the same kernel reading the activations
-  as MXFP8.
+  [tile_n, 16] scale bytes into registers, takes each row's two scale bytes (a masked row sum),
+  decodes the nibbles to fp32 E2M1 · 2^(byte − 127) (NaN for byte 255), writes the two
+  [tile_n, 32] halves of the weight tile to shared memory in the lhs dtype and issues one wgmma
+  per half against the matching half of the lhs tile (two [tile_m, 32] TMA tiles). The decode
+  is `config.e2m1_decode`: "select" converts the E2M1 fields to fp32 and multiplies by two exact
+  power-of-two factors; "bits" builds the fp32 bits by integer ops (`_decode_e2m1_bits`), the
+  same values, values below 2^-126 flushed to ±0 as `mx.dequantize` gives them. Row schedule,
+  ragged TMA-store epilogue and tail zeros are gmm_mgpu's. `gmm_mx_mgpu_mxfp8` is the same
+  kernel reading the activations as MXFP8.
   """
   m, k = lhs_mk.shape
   g, n, k_half = rhs_packed_gnh.shape

@@ -1,14 +1,17 @@
 """gmm_mx: the grouped matmul on MX operands (MXFP8 activations, MXFP4 weights in the release
 layout) against the fake-quant path gmm(Q(lhs), Q(rhs)), on every backend (pallas_gpu in the
 Mosaic GPU interpreter, as in test_moe_pallas_gpu.py), and the Mosaic GPU MX kernels — MXFP4
-weights decoded in the kernel, activations read as bf16 (`gmm_mx_mgpu`) or as MXFP8 decoded in
-the kernel too (`gmm_mx_mgpu_mxfp8`) — against the bf16 kernel and a float64 reference.
+weights decoded in the kernel (by selects or by bit construction, `MgpuConfig.e2m1_decode`),
+activations read as bf16 (`gmm_mx_mgpu`) or as MXFP8 decoded in the kernel too
+(`gmm_mx_mgpu_mxfp8`) — against the bf16 kernel and a float64 reference.
 
 The MX operands are made by k3train.quant.mx, whose own tests check the quantisation rules;
 here the kernels' decoding (mx_operands.py) must agree with it bit for bit.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +127,85 @@ def test_mx_kernel_equals_fake_quant_in_interpret_mode():
   np.testing.assert_array_equal(out[sum(SIZES):], 0.0)
 
 
+def _e2m1_decodes_f32():
+  """Both in-kernel E2M1 weight decodes on every nibble (columns) × scale byte s (rows) →
+  (select, bits), fp32 [256, 16]: the select decode times the row's two power-of-two factors,
+  and the bit construction."""
+  nib_s16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (256, 16))
+  bytes_s16 = jnp.broadcast_to(jnp.arange(256, dtype=jnp.int32)[:, None], (256, 16))
+  rows = lambda v: jnp.broadcast_to(v[:, None], (256, 16))
+  f1, f2 = pallas_gpu._row_factors(bytes_s16, nib_s16, 0)     # column 0 holds each row's byte
+  select = pallas_gpu._decode_e2m1_f32(nib_s16) * rows(f1) * rows(f2)
+  bits_rows = pallas_gpu._e2m1_bits_rows(bytes_s16[:, 0])
+  bits = pallas_gpu._decode_e2m1_bits(nib_s16, *(rows(x) for x in bits_rows))
+  return select, bits
+
+
+def test_e2m1_bits_decode_on_every_code_and_scale_byte():
+  """The "bits" weight decode on all 16 codes × 256 scale bytes s against the float64 value
+  E2M1 · 2^(s − 127): exact wherever that is a normal fp32 number; ±0 where it is subnormal
+  (s ≤ 1: flushed, as mx.dequantize gives it); ±inf past fp32's range (s ≥ 253, fp32's rounding
+  of those values); NaN for every code at s = 255. Bit for bit mx.dequantize (signs of zeros
+  included), and the select decode rounded to bf16, f16 and fp32."""
+  select, bits = (np.asarray(x) for x in jax.jit(_e2m1_decodes_f32)())
+  mag = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+  code = np.arange(16)
+  exact = np.where(code >= 8, -1.0, 1.0) * mag[code % 8] * 2.0 ** (np.arange(256)[:, None] - 127)
+  want = np.where(np.abs(exact) < 2.0 ** -126, np.copysign(0.0, exact), exact)
+  want = np.where(np.abs(exact) > np.finfo(np.float32).max, np.copysign(np.inf, exact), want)
+  want = want.astype(np.float32)
+  want[255] = np.nan
+  assert 0 < np.sum((exact != 0) & (want == 0)) and 0 < np.sum(np.isinf(want))   # both edges hit
+  np.testing.assert_array_equal(bits, want)
+  np.testing.assert_array_equal(np.signbit(bits[:255]), np.signbit(want[:255]))
+
+  nibbles = jnp.broadcast_to(jnp.arange(32, dtype=jnp.uint8) % 16, (256, 32))
+  scales = mx.scales_from_bytes(jnp.arange(256, dtype=jnp.uint8)[:, None])
+  ref = np.asarray(mx.dequantize(mx.e2m1_from_nibbles(nibbles), scales, "mxfp4"))[:, :16]
+  np.testing.assert_array_equal(bits[:255].view(np.uint32), ref[:255].view(np.uint32))
+  assert np.all(np.isnan(ref[255]))
+
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+    as_bits = lambda x: np.asarray(jnp.asarray(x).astype(dtype)).view(
+        f"u{jnp.dtype(dtype).itemsize}")
+    np.testing.assert_array_equal(as_bits(bits[:255]), as_bits(select[:255]))
+  assert np.all(np.isnan(select[255]))
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered in matmul:RuntimeWarning")   # the inf blocks
+@pytest.mark.parametrize("lhs_format", ["bf16", "mxfp8"])
+def test_mx_kernels_bits_decode_equals_select_in_interpret_mode(lhs_format):
+  """e2m1_decode="bits" gives the default select decode's output bit for bit in both MX kernels,
+  on the ragged problem (an empty group, 43 rows past the groups) with weight scale bytes at the
+  ends of the range: 255 (a NaN block), 0 and 1 (subnormal values, flushed), 253 and 254
+  (values past fp32: inf)."""
+  lhs, rhs, gs = inputs(seed=13)
+  ops = mx_operands_of(lhs, rhs)
+  wbytes = ops["rhs_scales"]
+  for (gi, col, blk), byte in (((2, 17, 1), 255), ((0, 3, 0), 0), ((0, 5, 3), 1),
+                               ((2, 40, 2), 253), ((3, 9, 0), 254)):
+    wbytes = wbytes.at[gi, col, blk].set(byte)
+  bits_cfg = dataclasses.replace(CFG_MX, e2m1_decode="bits")
+  if lhs_format == "bf16":
+    lhs_q = mx.quantize_dequantize(lhs, "mxfp8", axis=-1)
+    run = lambda cfg: pallas_gpu.gmm_mx_mgpu(lhs_q, ops["rhs_packed"], wbytes, gs, config=cfg,
+                                             interpret=True)
+  else:
+    run = lambda cfg: pallas_gpu.gmm_mx_mgpu_mxfp8(ops["lhs_codes"], ops["lhs_scales"],
+                                                   ops["rhs_packed"], wbytes, gs, config=cfg,
+                                                   interpret=True)
+  select, bits = (np.asarray(run(cfg)) for cfg in (CFG_MX, bits_cfg))
+  itemsize = select.dtype.itemsize
+  np.testing.assert_array_equal(bits.view(f"u{itemsize}"), select.view(f"u{itemsize}"))
+  assert np.isnan(select[sum(SIZES[:2]), 17]) and not np.isfinite(select[sum(SIZES[:3]), 9])
+  np.testing.assert_array_equal(bits[sum(SIZES):], 0.0)
+
+
+def test_mgpu_config_rejects_unknown_e2m1_decode():
+  with pytest.raises(ValueError, match="e2m1_decode must be one of select, bits"):
+    pallas_gpu.MgpuConfig(e2m1_decode="table")
+
+
 def test_decode_e4m3_matches_float8_on_every_code():
   """mx_operands.decode_e4m3 (bits → fp32 by integer ops) equals the float8_e4m3fn → fp32
   conversion on all 256 codes, signs of zeros and the two NaNs included."""
@@ -226,18 +308,21 @@ def test_gmm_mx_pallas_gpu_backend_bf16_in_interpret_mode():
     moe_ops.gmm_mx(lhs, rhs, gs, backend="pallas_gpu", lhs_decode="registers", **ops)
 
 
+@pytest.mark.parametrize("e2m1_decode", pallas_gpu.E2M1_DECODES)
 @pytest.mark.parametrize("lhs_format", ["bf16", "mxfp8"])
-def test_mx_kernel_lowers_to_mosaic_gpu(monkeypatch, lhs_format):
+def test_mx_kernel_lowers_to_mosaic_gpu(monkeypatch, lhs_format, e2m1_decode):
   """The hardware branches of gmm_mx_mgpu and gmm_mx_mgpu_mxfp8 (layout-annotated loads, the
-  register decodes, the wgmma operands — the activations as the register operand for mxfp8)
-  pass Mosaic GPU's layout inference and lowering for an H100/H200 (sm_90) with the default
-  tiles, and with 4 stages and tile_m = 64; nothing runs (no GPU here)."""
+  register decodes, with each weight decode, the wgmma operands — the activations as the
+  register operand for mxfp8) pass Mosaic GPU's layout inference and lowering for an H100/H200
+  (sm_90) with the default tiles, and with 4 stages and tile_m = 64; nothing runs (no GPU
+  here)."""
   monkeypatch.setattr(pallas_gpu, "_num_sms", lambda interpret: 132)
   m, k, n, g = 1000, 512, 512, 4
   s = jax.ShapeDtypeStruct
   rhs = (s((g, n, k // 2), jnp.uint8), s((g, n, k // 32), jnp.uint8), s((g,), jnp.int32))
-  for cfg in (pallas_gpu.MgpuConfig(), pallas_gpu.MgpuConfig(stages=4),
-              pallas_gpu.MgpuConfig(tile_m=64)):
+  for cfg in (pallas_gpu.MgpuConfig(e2m1_decode=e2m1_decode),
+              pallas_gpu.MgpuConfig(stages=4, e2m1_decode=e2m1_decode),
+              pallas_gpu.MgpuConfig(tile_m=64, e2m1_decode=e2m1_decode)):
     if lhs_format == "bf16":
       f = jax.jit(lambda a, p, w, gs: pallas_gpu.gmm_mx_mgpu(a, p, w, gs, config=cfg))
       lhs = (s((m, k), jnp.bfloat16),)
