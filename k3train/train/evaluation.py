@@ -2,7 +2,8 @@
 batches built from it, and `evaluate(model_or_fn, batches)`.
 
     eval_data = evaluation.eval_set(cfg, process_index=q, process_count=n)   # once per run/stage
-    loss_step = evaluation.make_loss_step(run.graphdef, run.layout)
+    loss_step = evaluation.make_loss_step(run.graphdef, run.layout,
+                                          loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     metrics = evaluation.evaluate(
         lambda b: loss_step(state.params, state.rest, run.layout.global_batch(b)), eval_data.batches)
     # {"eval/loss": …, "eval/loss/<source>": …, "eval/tokens/<source>": …}
@@ -198,11 +199,17 @@ def eval_set(cfg, *, rows: int | None = None, process_index: int = 0, process_co
 # --- evaluation -----------------------------------------------------------------------------
 
 
-def make_loss_step(graphdef, layout=None):
+def make_loss_step(graphdef, layout=None, *, loss_chunk_tokens: int = 0):
   """Jitted (params, rest, batch) → (mean next-token loss, loss tokens): the next-token part of
   the training loss (k3train/train/step.py; never an MTP term) of any model called as K3Model,
   without gradients; nothing of the state changes. With a `layout` the model traces on its mesh
-  and rules and the two scalars come back replicated."""
+  and rules and the two scalars come back replicated.
+
+  loss_chunk_tokens (`train.loss_chunk_tokens`) > 0: the head runs fused and chunked, as in
+  training (`step.head_loss`, k3train/train/head_loss.py: loss only, chunk by chunk, no
+  [B, T, V] logits), so evaluation needs no more memory than the train step; the model needs
+  `hidden_states`, `final_norm` and `lm_head` as K3Model has them. 0: the model's logits.
+  """
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -213,20 +220,25 @@ def make_loss_step(graphdef, layout=None):
     with scope:
       model = nnx.merge(graphdef, params, rest, copy=True)
       token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
-      logits = model(batch["tokens"], batch["segment_ids"], token_mask)
       mask = step_lib.loss_mask_of(batch, getattr(model, "placeholder_id", None))
+      if loss_chunk_tokens > 0:
+        h_btd = model.hidden_states(batch["tokens"], batch["segment_ids"], token_mask)
+        return step_lib.head_loss(model, model.final_norm(h_btd), batch["targets"], mask,
+                                  loss_chunk_tokens)
+      logits = model(batch["tokens"], batch["segment_ids"], token_mask)
       return step_lib.cross_entropy(logits, batch["targets"], mask)
 
   return jax.jit(loss_step, out_shardings=layout.replicated if layout is not None else None)
 
 
-def _as_loss_fn(model_or_fn) -> Callable[[Mapping[str, Any]], tuple[float, float]]:
-  """An nnx model (evaluated with the training loss) or a callable batch → (loss, tokens) or
-  → {"loss": …, "tokens": …}."""
+def _as_loss_fn(model_or_fn, loss_chunk_tokens: int = 0
+                ) -> Callable[[Mapping[str, Any]], tuple[float, float]]:
+  """An nnx model (evaluated with the training loss; `make_loss_step`'s loss_chunk_tokens) or a
+  callable batch → (loss, tokens) or → {"loss": …, "tokens": …}."""
   from flax import nnx
   if isinstance(model_or_fn, nnx.Module):
     graphdef, params, rest = nnx.split(model_or_fn, nnx.Param, ...)
-    step = make_loss_step(graphdef)
+    step = make_loss_step(graphdef, loss_chunk_tokens=loss_chunk_tokens)
     return lambda batch: step(params, rest, dict(batch))
   if not callable(model_or_fn):
     raise TypeError(f"evaluate needs an nnx model or a callable, got {type(model_or_fn).__name__}")
@@ -239,15 +251,15 @@ def _as_loss_fn(model_or_fn) -> Callable[[Mapping[str, Any]], tuple[float, float
   return fn
 
 
-def evaluate(model_or_fn, batches: Mapping[str, Sequence[Mapping[str, Any]]] | Sequence[Mapping[str, Any]]
-             ) -> dict[str, float]:
+def evaluate(model_or_fn, batches: Mapping[str, Sequence[Mapping[str, Any]]] | Sequence[Mapping[str, Any]],
+             *, loss_chunk_tokens: int = 0) -> dict[str, float]:
   """Held-out loss of every named batch list, token-weighted over its batches:
   "eval/loss/<name>", "eval/tokens/<name>", and over all of them "eval/loss", "eval/tokens".
   A bare list of batches is named "heldout". Every batch is dispatched before any result is read,
-  so device work overlaps the host's."""
+  so device work overlaps the host's. loss_chunk_tokens: an nnx model's head (`make_loss_step`)."""
   if not isinstance(batches, Mapping):
     batches = {"heldout": batches}
-  fn = _as_loss_fn(model_or_fn)
+  fn = _as_loss_fn(model_or_fn, loss_chunk_tokens)
   results = {name: [fn(b) for b in bs] for name, bs in batches.items()}
   out: dict[str, float] = {}
   total_sum = total_tokens = 0.0

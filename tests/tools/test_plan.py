@@ -1,9 +1,10 @@
 """k3train.tools.plan: per-device state bytes against a direct computation from the specs and
 against the shardings a run builds, the divisibility errors, activation-model invariants, the
-mesh search, config overrides, and the CLI on k3_full."""
+fused head's terms, the mesh search, config overrides, and the CLI on k3_full."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -231,6 +232,62 @@ def test_activation_model_invariants(tiny):
   assert plan.make_plan(cfg, layout, SMALL_MESH, remat="full", **kw).phases == p.phases
   with pytest.raises(ValueError, match="rules"):
     plan.make_plan(cfg, layout, SMALL_MESH, remat="full", **dict(kw, rules_name="default"))
+
+
+def _lines(p) -> dict:
+  return {label.strip(): b for label, b, _ in p.lines}
+
+
+def test_fused_head_replaces_the_logits_by_its_residuals_and_one_chunk(tiny):
+  """train.loss_chunk_tokens = c > 0: no [n, V] logits term; the dx and fp32 dW residuals are
+  saved, and one chunk's buffers are live in forward only. Expected bytes from the shapes: mesh
+  fsdp=2, sequence=2, tensor=2 under `full` (head kernel [d, V]: d over fsdp·sequence, V over
+  tensor; activations: batch over fsdp, sequence over sequence, vocab over tensor)."""
+  cfg, state = tiny
+  chunk = 32
+  fused = copy.deepcopy(cfg)
+  fused.train.loss_chunk_tokens = chunk
+  sizes = dict(data=1, fsdp=2, expert=1, sequence=2, tensor=2)
+  kw = dict(rules_name="full", seq_len=128, batch_per_device=2, remat="full", device_memory_gib=1.0)
+  p0, pc = (plan.make_plan(c, state, sizes, **kw) for c in (cfg, fused))
+  m = cfg.model
+  A, F = np.dtype(m.dtype).itemsize, 4
+  b, d = 2, m.d_model
+  n = b * 128 // 2                       # tokens per device: 2 sequences, half of each
+  v = m.vocab_size // 2                  # vocab per device
+  tokens = b * chunk // 2                # one chunk's tokens per device
+  logits = n * v * (A + F)               # the unfused head's logits and their fp32 copy
+  dx, dw = n * d * A, (d // 4) * v * F
+  assert pc.dims.loss_chunk == chunk // 2 and p0.dims.loss_chunk == 0
+  assert (pc.dims.head_d, pc.dims.head_vocab) == (d // 4, v)
+
+  # The head's cost: unfused as before (logits, fp32 loss, their fp32 gradient in transient) …
+  costs0 = plan.layer_costs(cfg, p0.dims, "flash")
+  costsc = plan.layer_costs(fused, pc.dims, "flash")
+  attn_res = costs0["attn_res"]
+  head0, headc = costs0["head"], costsc["head"]
+  assert head0.saved - attn_res.saved == n * d * A + n * d * (F + A) + logits
+  assert head0.transient == max(attn_res.transient, 2 * n * v * F)
+  assert "head_chunk" not in costs0
+  # … fused: the logits replaced by the residuals, no head transient in backward.
+  assert head0.saved - headc.saved == logits - dx - dw
+  assert headc.transient == attn_res.transient
+  chunk_loop = (n * (d * A + 8)                      # x, targets, mask in chunk layout
+                + tokens * v * (F + F + A)           # fp32 logits, fp32 softmax, d_logits
+                + tokens * d * F + d * v * F)        # fp32 dx and dW GEMM outputs of a chunk
+  assert costsc["head_chunk"].transient == chunk_loop
+
+  lines0, linesc = _lines(p0), _lines(pc)
+  assert lines0["saved activations"] - linesc["saved activations"] == logits - dx - dw
+  assert linesc["fused head chunk loop"] == chunk_loop and "fused head chunk loop" not in lines0
+  assert pc.peak < p0.peak
+  # The key's checks: T must be a multiple of c, c a multiple of the sequence shards.
+  fused.train.loss_chunk_tokens = 48
+  with pytest.raises(ValueError, match=r"train.loss_chunk_tokens=48 .* T=128"):
+    plan.make_plan(fused, state, sizes, **kw)
+  fused.train.loss_chunk_tokens = 1
+  with pytest.raises(MeshError, match="sequence=2"):
+    plan.make_plan(fused, state, sizes, **kw)
 
 
 def test_search_returns_fitting_plans_best_first(tiny):

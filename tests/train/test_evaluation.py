@@ -1,6 +1,6 @@
 """Held-out evaluation: training and eval documents are disjoint by document id, eval batches hold
-exactly held-out documents' tokens, hosts split the rows, and `evaluate` equals a float64
-reference of the masked next-token loss."""
+exactly held-out documents' tokens, hosts split the rows, `evaluate` equals a float64
+reference of the masked next-token loss, and the fused head's loss equals the logits path."""
 
 import json
 import math
@@ -157,6 +157,59 @@ def test_evaluate_equals_reference_loss(corpus):
   step = evaluation.make_loss_step(graphdef)
   same = evaluation.evaluate(lambda b: step(params, rest, b), data.batches)
   assert same == pytest.approx(out, rel=1e-6)
+
+
+def test_fused_head_loss_equals_the_logits_loss(corpus):
+  """train.loss_chunk_tokens > 0: the held-out loss through the fused, chunked head (loss only,
+  no [B, T, V] logits) equals the logits path on a one-layer k3_tiny (fp32 compute), per source
+  and overall, to 1e-6 relative (the two sum the same fp32 terms in another order)."""
+  from k3train import config as config_lib
+  from k3train.model import decoder
+  from tests.configs import k3_tiny
+  spec, valid = corpus
+  cfg = k3_tiny.get_config()
+  cfg.model.num_layers = 1
+  cfg.model.mla_layers = (1,)
+  cfg.model.mtp.enabled = False
+  cfg.data.seq_len = 32
+  cfg.train.global_batch_size = 4
+  cfg.train.loss_chunk_tokens = 8              # 4 chunks of 8 positions per row
+  cfg = config_lib.validate(cfg)
+  assert cfg.model.dtype == "float32"
+  data = evaluation.eval_set(make_cfg(spec, (spec, valid), seq_len=32, batches=2, rows=4))
+  model = decoder.build_model(cfg.model)
+  unfused = evaluation.evaluate(model, data.batches)
+  fused = evaluation.evaluate(model, data.batches, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+  assert fused.keys() == unfused.keys() and "eval/loss" in fused
+  for key, value in unfused.items():
+    if key.startswith("eval/tokens"):
+      assert fused[key] == value > 0
+    else:
+      assert fused[key] == pytest.approx(value, rel=1e-6), key
+  # The fused program's largest [B, ·, V] value is one chunk's [4, 8, V], not the [4, 32, V] logits.
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  batch = data.batches[spec][0]
+  rows = {}
+  for chunk in (0, cfg.train.loss_chunk_tokens):
+    step = evaluation.make_loss_step(graphdef, loss_chunk_tokens=chunk)
+    rows[chunk] = _largest_tokens_by_vocab(jax.make_jaxpr(step)(params, rest, batch).jaxpr,
+                                           cfg.model.vocab_size)
+  assert rows == {0: 4 * 32, cfg.train.loss_chunk_tokens: 4 * 8}
+
+
+def _largest_tokens_by_vocab(jaxpr, vocab: int) -> int:
+  """The most tokens of any [B, T, V]-like value (rank 3, vocab last) in a program and the
+  programs in its equations (jit, scan bodies, …)."""
+  import jax.extend.core as jex
+  rows = 0
+  for eqn in jaxpr.eqns:
+    for var in (*eqn.invars, *eqn.outvars):
+      shape = getattr(getattr(var, "aval", None), "shape", ())
+      if len(shape) == 3 and shape[-1] == vocab:
+        rows = max(rows, shape[0] * shape[1])
+    for sub in jex.jaxprs_in_params(eqn.params):
+      rows = max(rows, _largest_tokens_by_vocab(sub, vocab))
+  return rows
 
 
 # --- training never reads the held-out part ---------------------------------------------------

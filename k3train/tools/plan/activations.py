@@ -31,6 +31,12 @@ grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by 
                               regrouped). Quantile Balancing compares each device's own
                               [n, E] fp32 margins (bisection over counts; forward only).
   head                        embedding output, final norm, logits and the fp32 loss.
+  fused head                  (train.loss_chunk_tokens = c > 0, k3train/train/head_loss.py) no
+                              [n, V] array: saved until backward the dx residual [n, d] in
+                              model.dtype and the fp32 dW residual [d, V] laid out as the head
+                              kernel; in forward only, one chunk of b · c / sequence tokens at a
+                              time (its logits, softmax, d_logits and GEMM outputs: see
+                              `fused_head_chunk_bytes`). Its backward only scales dx and dW.
 
 Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 layers, is what
 `jax.checkpoint` wraps; each unscanned prefix/suffix layer is wrapped on its own):
@@ -58,6 +64,7 @@ import numpy as np
 from k3train import config as config_lib
 from k3train.parallel import axes as ax
 from k3train.parallel import rules as rules_lib
+from k3train.train import head_loss
 
 GiB = 1024 ** 3
 FP32 = 4
@@ -81,6 +88,10 @@ class Dims:
   expert_hidden: int
   vocab: int
   ep: int           # devices the experts are split over
+  loss_chunk: int = 0   # positions of one fused-head chunk per sequence on this device
+                        # (train.loss_chunk_tokens / sequence shards); 0: the unfused head
+  head_d: int = 0       # per-device [d, V] of the head kernel (embed, vocab): the layout of the
+  head_vocab: int = 0   # fused head's fp32 dW residual
 
 
 def activation_dims(cfg, rules, mesh, seq_len: int, batch_per_device: int) -> Dims:
@@ -109,6 +120,14 @@ def activation_dims(cfg, rules, mesh, seq_len: int, batch_per_device: int) -> Di
     return shape[-1] // axes_of(names)[-1]
 
   act = (ax.BATCH, ax.SEQ)
+  chunk = int(cfg.train.loss_chunk_tokens)
+  if chunk:
+    if chunk < 0 or seq_len % chunk:
+      raise ValueError(f"{head_loss.CONFIG_KEY}={chunk} must be a positive divisor of the "
+                       f"sequence length T={seq_len} (or 0 for the unfused head)")
+    # A chunk's positions split over the sequence shards: the run's error when they do not divide.
+    local(act + (ax.EMBED,), (B, chunk, m.d_model))
+  head_shards = axes_of((ax.EMBED, ax.VOCAB))
   e = m.moe
   return Dims(
       b=batch_per_device, batch_shards=batch_shards, global_batch=B, T=seq_len,
@@ -122,7 +141,9 @@ def activation_dims(cfg, rules, mesh, seq_len: int, batch_per_device: int) -> Di
       expert_hidden=local((ax.EXPERTS, ax.LATENT, ax.EXPERT_MLP),
                           (e.num_experts, e.latent_dim, e.expert_hidden)),
       vocab=local(act + (ax.VOCAB,), (B, seq_len, m.vocab_size)),
-      ep=axes_of((ax.EXPERTS,))[0])
+      ep=axes_of((ax.EXPERTS,))[0],
+      loss_chunk=chunk // seq_shards, head_d=m.d_model // head_shards[0],
+      head_vocab=m.vocab_size // head_shards[1])
 
 
 @dataclasses.dataclass
@@ -232,11 +253,42 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
 
   c = Cost()
   c.add("embedding output", saved=n * d * A)
-  c.add("final norm + head logits + fp32 loss", dots=n * dims.vocab * A,
-        saved=n * d * (F + A) + n * dims.vocab * F, transient=n * dims.vocab * F * 2)
+  if dims.loss_chunk:
+    c.add("final norm: fp32 input + output", saved=n * d * (F + A))
+    c.add("fused head: dx residual [n, d]", saved=n * d * A)
+    c.add("fused head: fp32 dW residual [d, V] (head kernel layout)",
+          saved=dims.head_d * dims.head_vocab * F)
+    out["head_chunk"] = Cost().add("fused head: chunk layout + one chunk's buffers (forward)",
+                                   transient=fused_head_chunk_bytes(dims, A))
+  else:
+    c.add("final norm + head logits + fp32 loss", dots=n * dims.vocab * A,
+          saved=n * d * (F + A) + n * dims.vocab * F, transient=n * dims.vocab * F * 2)
   out["head"] = c + out["attn_res"]
   out["carry"] = Cost().add("scan carry: AttnRes source buffer + partial sum", saved=(ns + 1) * n * d * A)
   return out
+
+
+def fused_head_chunk_bytes(dims: Dims, A: int) -> int:
+  """Forward-only bytes of the fused head's chunk loop (k3train/train/head_loss.py) besides its
+  residuals, with m = b · c / sequence tokens of one chunk on this device:
+
+    x [n, d] (model.dtype), targets and mask [n] (int32, fp32) in the strided chunk
+      layout: the scan's inputs, a transposed copy of the final-norm output    n · (d·A + 8)
+    chunk logits [m, V] fp32 (a model.dtype GEMM with fp32 accumulation)       m · V · 4
+    softmax exp(z − logsumexp z) [m, V] fp32 (counted although XLA may fuse it
+      into d_logits)                                                          m · V · 4
+    d_logits = (softmax − onehot) · mask / N [m, V] in model.dtype (the GEMM
+      input of dx and dW)                                                     m · V · A
+    dx chunk [m, d] fp32 GEMM output before its cast to x's dtype              m · d · 4
+    dW chunk [d, V] fp32 GEMM output, summed over the batch and sequence
+      shards before it is added to the dW residual                            d · V · 4
+
+  V and d are per device as the activations lay them out (vocab over `tensor`). After the loop
+  dx goes back from chunk layout to [n, d] (n · d · A, less than the above).
+  """
+  F = FP32
+  m, d, v = dims.b * dims.loss_chunk, dims.d, dims.vocab
+  return dims.n * (d * A + 8) + m * v * (2 * F + A) + m * d * F + d * v * F
 
 
 def layer_cost(costs: Mapping[str, Cost], kind: tuple[str, str]) -> Cost:
@@ -259,6 +311,7 @@ class Activations:
   rows: int               # rows of the expert exchange's receive buffer
   expert_buffers: int     # 3 × [rows, ℓ] exchange buffers (part of the working set)
   detail: dict            # per-piece terms ("super-block", "unscanned", "head"; "carry" bytes)
+  head_chunk: int = 0     # forward: the fused head's chunk loop (`fused_head_chunk_bytes`)
 
 
 def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: str,
@@ -306,12 +359,15 @@ def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: st
     working_note = "non-dot residuals of one super-block + buffers"
   fwd_layer = max(layer_cost(costs, kind).saved for kind in set(sched.kinds))
   qb = costs["qb_sort"].transient if cfg.model.moe.quantile_balancing else 0
-  detail = {"super-block": period.terms, "unscanned": unscanned_cost.terms, "head": head.terms,
-            "carry": carry}
+  # The fused head's chunk loop runs after the last layer, in forward only (its backward only
+  # scales the residuals), so it is not part of the backward working set.
+  head_chunk = costs["head_chunk"] if "head_chunk" in costs else Cost()
+  detail = {"super-block": period.terms, "unscanned": unscanned_cost.terms,
+            "head": {**head.terms, **head_chunk.terms}, "carry": carry}
   return Activations(dims, saved, f"remat={remat}: {saved_note}", working, working_note,
-                     max(fwd_layer + transient, qb), qb, rows,
-                     3 * rows * cfg.model.moe.latent_dim * A, detail)
+                     max(fwd_layer + transient, qb, head_chunk.transient), qb, rows,
+                     3 * rows * cfg.model.moe.latent_dim * A, detail, head_chunk.transient)
 
 
 __all__ = ["Activations", "Cost", "Dims", "activation_dims", "estimate", "expert_rows",
-           "layer_cost", "layer_costs"]
+           "fused_head_chunk_bytes", "layer_cost", "layer_costs"]

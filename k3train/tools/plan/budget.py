@@ -127,6 +127,12 @@ def make_plan(cfg, state, sizes: Mapping[str, int], *, rules_name: str, seq_len:
        "this device's n tokens × E experts, fp32 + uint32 keys (bisection; forward only)"),
       ("optimizer transient", opt_transient, "3 × the largest local optimizer leaf"),
   ]
+  if acts.dims.loss_chunk:
+    d = acts.dims
+    lines.insert(-1, ("fused head chunk loop", acts.head_chunk,
+                      f"forward only (train.loss_chunk_tokens = {d.loss_chunk * d.seq_shards}): "
+                      f"[{d.b * d.loss_chunk:,} tokens, {d.vocab:,} vocab] logits, softmax, "
+                      f"d_logits, GEMM outputs; inputs in chunk layout"))
   return Plan(dict(sizes), rules_name, remat, attention, acts.dims, int(device_memory_gib * GiB),
               margin, sb, lines, phases, acts.detail, microbatches)
 
