@@ -58,8 +58,8 @@ def k3_full() -> ml_collections.ConfigDict:
   e.renormalize = True
   e.latent_norm = True
   e.quantile_balancing = True
-  e.qb_mean_correction = True     # train: route with QB's proposal moved by each expert's mean-score change
-  e.qb_rounds = 2                 # train: QB rounds on the batch's own scores before routing (0: none)
+  e.qb_rounds = 4                 # train: QB rounds on the batch's own scores before routing (0: route with the stored bias)
+  e.qb_mean_correction = False    # train: first move the stored bias by each expert's mean-score change
   e.backend = "auto"              # pallas_kernels.moe: auto (pallas_gpu on GPU, else ragged_dot)
 
   q = m.quant = ml_collections.ConfigDict()   # MX QAT of the routed experts (docs/maths.md §7.5)

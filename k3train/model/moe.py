@@ -21,14 +21,16 @@ State paths (the convention `qb_bias_update` relies on), for a StableLatentMoE a
 Stacked (scanned) layers add a leading layer axis to all of them; the update is elementwise per
 layer, so it is the same for them.
 
-Mean correction (docs/maths.md §5.3, "QB under a moving router"): QB's proposal is computed from
-one batch's scores but routes the next batch, after an optimiser step has moved the router and
-every layer below it. When that moves an expert's mean score by more than the spread of scores
-between tokens, the proposal is stale and the load collapses onto a few experts. With
-`qb_mean_correction`, inside a `qb_training_routing()` block (the train step opens one) each
-layer routes with the proposal moved by the change of every expert's mean score since the
-proposal's batch, b_e − (m_e − m_e^ref), and records this batch's means m_e with its proposal.
-Outside the block (evaluation, decoding, export) the bias is used as stored.
+Training routing (docs/maths.md §5.3, "QB under a moving router"): QB's proposal is computed from
+one batch's scores but would route the next batch, after an optimiser step has moved the router
+and every layer below it. When that moves an expert's mean score by more than the spread of
+scores between tokens, the stored proposal is stale and the load collapses onto a few experts.
+Inside a `qb_training_routing()` block (the train step opens one) each layer therefore routes
+with `qb_rounds` QB rounds applied to the batch's own scores, starting from the stored bias
+(optionally first moved by each expert's mean-score change since the proposal's batch,
+`qb_mean_correction`, which records the batch's means). The next proposal is one more round
+from the bias the batch routed with. Outside the block (evaluation, decoding, export) the bias
+is used as stored.
 
 MX quantisation-aware training (docs/maths.md §7.5, `model.quant`): the routed-expert weights
 P/experts/{gate,up,down} are fake-quantised along their input dimension (axis −2, stacked or

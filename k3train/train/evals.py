@@ -22,9 +22,10 @@ Every eval reads the same rows, so evals of one stage compare across steps:
                   rows, and their mean "eval/retrieval/mean".
 
 The forward is the training forward (text only: vision inputs are not fed; the next-token head
-only, never the MTP module) on the stage's mesh; nothing of the state changes. The loop calls the
-evaluator every eval.every_steps steps; `python -m k3train.tools.eval` calls `held_out` on a
-restored checkpoint.
+only, never the MTP module) on the stage's mesh; nothing of the state changes. With
+train.loss_chunk_tokens > 0 the head runs chunked as in the train step (no [B, T, V] logits).
+The loop calls the evaluator every eval.every_steps steps; `python -m k3train.tools.eval` calls
+`held_out` on a restored checkpoint.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from flax import nnx
 from k3train.data import retrieval
 from k3train.data import tokenizer as tokenizer_lib
 from k3train.train import evaluation
+from k3train.train import head_loss
 
 EVAL_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask", "answer_mask")
 
@@ -48,8 +50,14 @@ def position_edges(seq_len: int, buckets: int) -> list[int]:
   return sorted(set(edges))
 
 
-def make_eval_step(run, edges):
-  """Jitted (params, rest, batch) → per-bucket loss sums and counts, per-row answer correctness."""
+def make_eval_step(run, edges, loss_chunk_tokens: int = 0):
+  """Jitted (params, rest, batch) → per-bucket loss sums and counts, per-row answer correctness.
+
+  loss_chunk_tokens (`train.loss_chunk_tokens`) > 0: each position's nll and argmax come from the
+  chunked head (`head_loss.chunked_token_stats`: fp32 logits of a head-dtype GEMM, c positions
+  of every row at a time), so no [B, T, V] logits exist, as in the train step. 0: the model's
+  logits. Both resolve argmax ties to the lowest token id.
+  """
   layout, graphdef = run.layout, run.graphdef
   inner = jnp.asarray(edges[1:-1], jnp.int32)
   buckets = len(edges) - 1
@@ -58,12 +66,21 @@ def make_eval_step(run, edges):
     with layout.activate():
       model = nnx.merge(graphdef, params, rest, copy=True)
       token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
-      logits = model(batch["tokens"], batch["segment_ids"], token_mask).astype(jnp.float32)
-    nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
-        logits, batch["targets"][..., None], axis=-1)[..., 0]                     # [B, T]
+      if loss_chunk_tokens > 0:
+        h_btd = model.hidden_states(batch["tokens"], batch["segment_ids"], token_mask)
+        head = model.lm_head
+        nll, argmax_bt = head_loss.chunked_token_stats(
+            model.final_norm(h_btd), head.kernel[...], batch["targets"],
+            chunk_tokens=loss_chunk_tokens, dtype=head.dtype)
+      else:
+        logits = model(batch["tokens"], batch["segment_ids"], token_mask).astype(jnp.float32)
+    if loss_chunk_tokens <= 0:
+      nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
+          logits, batch["targets"][..., None], axis=-1)[..., 0]                   # [B, T]
+      argmax_bt = jnp.argmax(logits, axis=-1)
     bucket = jnp.searchsorted(inner, batch["positions"], side="right")            # [B, T]
     weight = jax.nn.one_hot(bucket, buckets) * batch["loss_mask"][..., None]     # [B, T, n]
-    wrong = (jnp.argmax(logits, axis=-1) != batch["targets"]).astype(jnp.float32)
+    wrong = (argmax_bt != batch["targets"]).astype(jnp.float32)
     answer = batch["answer_mask"]
     return {"loss_sum": jnp.sum(weight * nll[..., None], axis=(0, 1)),
             "count": jnp.sum(weight, axis=(0, 1)),
@@ -85,7 +102,7 @@ class Evaluator:
     self.process_count, self.process_index = jax.process_count(), jax.process_index()
     self.rows = cfg.train.global_batch_size // self.process_count
     self.edges = position_edges(self.seq_len, ev.position_buckets)
-    self.step = make_eval_step(run, self.edges)
+    self.step = make_eval_step(run, self.edges, cfg.train.loss_chunk_tokens)
     self.tok = tokenizer_lib.load_tokenizer(cfg.data.tokenizer)
     self._held_out = None
 

@@ -17,7 +17,8 @@ Under differentiation the forward pass also computes the gradients, in the same 
 accumulation, as `layers.low_precision_matmul` does): dx [B, T, d] in x's dtype and dW [d, V] in
 fp32 are the residuals and the backward pass only scales them by the loss cotangent. The head is
 therefore never recomputed and the backward pass stores nothing of size V per token. Without
-differentiation (evaluation) the loop computes the loss only.
+differentiation (evaluation) the loop computes the loss only. `chunked_token_stats` runs the
+same chunk loop for per-position evals: each position's cross-entropy and argmax, no gradient.
 """
 
 from __future__ import annotations
@@ -41,17 +42,48 @@ def fused_head_cross_entropy(x_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.
   mask [B, T]; the logits are computed in `dtype` with fp32 accumulation, `chunk_tokens`
   positions of every row at a time. Gradients flow to x and W only; the count has none.
   """
-  b, t, d = x_btd.shape
-  if w_dv.ndim != 2 or w_dv.shape[0] != d:
-    raise ValueError(f"head kernel of shape {w_dv.shape} does not match hidden states {x_btd.shape}")
-  if targets_bt.shape != (b, t) or mask_bt.shape != (b, t):
-    raise ValueError(f"targets {targets_bt.shape} and mask {mask_bt.shape} must be [B, T] = {(b, t)}")
-  if chunk_tokens < 1 or t % chunk_tokens:
-    raise ValueError(f"{CONFIG_KEY}={chunk_tokens} must be a positive divisor of the sequence "
-                     f"length T={t} (or 0 for the unfused head)")
+  _check_inputs(x_btd, w_dv, targets_bt, chunk_tokens, mask_bt)
   mask_bt = mask_bt.astype(jnp.float32)
   loss = _fused_ce(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, jnp.dtype(dtype))
   return loss, jnp.sum(mask_bt)
+
+
+def chunked_token_stats(x_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, *,
+                        chunk_tokens: int, dtype) -> tuple[jax.Array, jax.Array]:
+  """(per-position cross-entropy nll [B, T] fp32, argmax of the logits [B, T] int32), no gradient.
+
+  The logits of softmax(x · W) are computed as in `fused_head_cross_entropy` (`dtype` GEMM, fp32
+  accumulation, the same strided chunks of `chunk_tokens` positions in one `lax.scan`), so no
+  [B, T, V] array exists. The argmax is `jnp.argmax` over V of each chunk's fp32 logits: ties go
+  to the lowest vocabulary index, as for the full logits.
+  """
+  _check_inputs(x_btd, w_dv, targets_bt, chunk_tokens)
+  dtype = jnp.dtype(dtype)
+
+  def body(_, xs):
+    x_bcd, targets_bc = xs
+    logits_bcv = _chunk_logits(x_bcd, w_dv, dtype)
+    nll_bc, _, _ = _chunk_ce(logits_bcv, targets_bc)
+    return None, (nll_bc, jnp.argmax(logits_bcv, axis=-1).astype(jnp.int32))
+
+  chunks = (_to_chunks(x_btd, chunk_tokens), _to_chunks(targets_bt, chunk_tokens))
+  _, (nll_nbc, argmax_nbc) = jax.lax.scan(body, None, chunks)
+  return _from_chunks(nll_nbc), _from_chunks(argmax_nbc)
+
+
+def _check_inputs(x_btd, w_dv, targets_bt, chunk_tokens: int, mask_bt=None):
+  """Shapes x [B, T, d], W [d, V], targets (and mask) [B, T]; c a positive divisor of T."""
+  b, t, d = x_btd.shape
+  if w_dv.ndim != 2 or w_dv.shape[0] != d:
+    raise ValueError(f"head kernel of shape {w_dv.shape} does not match hidden states {x_btd.shape}")
+  if targets_bt.shape != (b, t) or (mask_bt is not None and mask_bt.shape != (b, t)):
+    what = f"targets {targets_bt.shape}"
+    if mask_bt is not None:
+      what += f" and mask {mask_bt.shape}"
+    raise ValueError(f"{what} must be [B, T] = {(b, t)}")
+  if chunk_tokens < 1 or t % chunk_tokens:
+    raise ValueError(f"{CONFIG_KEY}={chunk_tokens} must be a positive divisor of the sequence "
+                     f"length T={t} (or 0 for the unfused head)")
 
 
 # --- chunk layout -------------------------------------------------------------------------------
@@ -155,4 +187,4 @@ def _fused_ce_bwd(chunk_tokens, dtype, residuals, g):
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
-__all__ = ["CONFIG_KEY", "fused_head_cross_entropy"]
+__all__ = ["CONFIG_KEY", "chunked_token_stats", "fused_head_cross_entropy"]

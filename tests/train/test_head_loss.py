@@ -1,8 +1,9 @@
 """The fused, chunked head loss (k3train/train/head_loss.py, `train.loss_chunk_tokens`).
 
 Against float64 autodiff of the unfused head (`cross_entropy(x · W)`), in fp32 and bf16 compute;
-its primal against its VJP forward; no [B, T, V] value in its gradient program; a whole k3_tiny
-train step against the unfused step; the MTP head fused too (traced); the config checks.
+its primal against its VJP forward; no [B, T, V] value in its gradient program; the per-position
+nll and argmax of `chunked_token_stats` against the dense head; a whole k3_tiny train step against
+the unfused step; the MTP head fused too (traced); the config checks.
 """
 
 import functools
@@ -20,7 +21,7 @@ from k3train import defaults
 from k3train.model import decoder
 from k3train.train import builder
 from k3train.train import step as step_lib
-from k3train.train.head_loss import fused_head_cross_entropy
+from k3train.train.head_loss import chunked_token_stats, fused_head_cross_entropy
 from k3train.train.step import cross_entropy
 
 B, T, D, V = 2, 24, 16, 96
@@ -149,6 +150,60 @@ def test_chunk_must_divide_the_sequence():
   x, w, targets, mask = _inputs()
   with pytest.raises(ValueError, match=r"train.loss_chunk_tokens=5 must be a positive divisor .* T=24"):
     fused_head_cross_entropy(x, w, targets, mask, chunk_tokens=5, dtype=jnp.float32)
+
+
+# --- per-position statistics (evals) ------------------------------------------------------------
+
+
+@jax.jit
+def _dense_token_stats(x_btd, w_dv, targets_bt):
+  """(nll [B, T], argmax [B, T], fp32 logits [B, T, V]), as evals.make_eval_step computes them."""
+  logits_btv = jnp.einsum("btd,dv->btv", x_btd, w_dv)
+  nll_bt = jax.nn.logsumexp(logits_btv, axis=-1) - jnp.take_along_axis(
+      logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+  return nll_bt, jnp.argmax(logits_btv, axis=-1), logits_btv
+
+
+def _token_stats(chunk_tokens):
+  fn = functools.partial(chunked_token_stats, chunk_tokens=chunk_tokens, dtype=jnp.float32)
+  return jax.jit(fn)
+
+
+@pytest.mark.parametrize("chunk_tokens", CHUNKS)
+def test_token_stats_equal_the_dense_head(chunk_tokens):
+  """fp32: the same per-position logsumexp − target logit, 1e-6 relative; the argmax exactly
+  (the data has no near ties: the top two logits of every position are ≥ 1e-4 apart)."""
+  x, w, targets, _ = _inputs()
+  ref_nll, ref_argmax, logits = _dense_token_stats(x, w, targets)
+  top2 = np.sort(np.asarray(logits), axis=-1)[..., -2:]
+  assert np.min(top2[..., 1] - top2[..., 0]) > 1e-4
+  nll, argmax = _token_stats(chunk_tokens)(x, w, targets)
+  assert (nll.shape, argmax.shape) == ((B, T), (B, T))
+  assert (nll.dtype, argmax.dtype) == (jnp.float32, jnp.int32)
+  np.testing.assert_allclose(np.asarray(nll), np.asarray(ref_nll), rtol=1e-6, atol=0)
+  np.testing.assert_array_equal(np.asarray(argmax), np.asarray(ref_argmax))
+
+
+@pytest.mark.parametrize("chunk_tokens", CHUNKS)
+def test_token_stats_argmax_ties_go_to_the_first_index(chunk_tokens):
+  """Every column of W twice (columns 2k and 2k + 1 equal): every maximum is tied, and both
+  paths pick the even (first) index, as jnp.argmax does."""
+  x, w, targets, _ = _inputs()
+  w_tied = jnp.repeat(w[:, :V // 2], 2, axis=1)
+  _, ref_argmax, logits = _dense_token_stats(x, w_tied, targets)
+  logits = np.asarray(logits)
+  assert np.array_equal(logits[..., 0::2], logits[..., 1::2])          # exact ties
+  _, argmax = _token_stats(chunk_tokens)(x, w_tied, targets)
+  assert np.all(np.asarray(ref_argmax) % 2 == 0)
+  np.testing.assert_array_equal(np.asarray(argmax), np.asarray(ref_argmax))
+
+
+def test_token_stats_program_holds_no_tokens_by_vocab_value():
+  x, w, targets, _ = _inputs()
+  jaxpr = jax.make_jaxpr(functools.partial(chunked_token_stats, chunk_tokens=8, dtype=jnp.float32))
+  assert _largest_vocab_rows(jaxpr(x, w, targets).jaxpr) == B * 8    # one chunk [B, c, V] at most
+  with pytest.raises(ValueError, match=r"loss_chunk_tokens=5 must be a positive divisor .* T=24"):
+    chunked_token_stats(x, w, targets, chunk_tokens=5, dtype=jnp.float32)
 
 
 # --- the whole train step ----------------------------------------------------------------------
