@@ -70,6 +70,24 @@ def load_module(path: str | os.PathLike) -> types.ModuleType:
   return module
 
 
+def fill_missing_keys(cfg: ml_collections.ConfigDict) -> list[str]:
+  """In place: every key of the schema (k3train/defaults.py) that `cfg` lacks is set to its
+  default, so a config saved by an earlier k3train (a checkpoint's, an imported run's config
+  file) still validates. Returns the dotted names filled."""
+  filled = []
+
+  def walk(ref: ml_collections.ConfigDict, node: ml_collections.ConfigDict, prefix: str) -> None:
+    for key, value in ref.items():
+      if key not in node:
+        node[key] = copy.deepcopy(value)
+        filled.append(prefix + key)
+      elif isinstance(value, ml_collections.ConfigDict) and isinstance(node[key], ml_collections.ConfigDict):
+        walk(value, node[key], prefix + key + ".")
+
+  walk(_schema(), cfg, "")
+  return filled
+
+
 def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
   out = {}
   for key, value in cfg.items():

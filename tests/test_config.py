@@ -134,6 +134,23 @@ def test_missing_key():
   expect_error(ml_collections.ConfigDict(d), "model.moe.top_k")
 
 
+def test_a_config_saved_without_newer_keys_gets_their_defaults():
+  """A checkpoint's config JSON from an earlier k3train lacks keys added since: reading it back
+  fills them from the defaults (and only them), so it validates."""
+  from k3train.tools.hf import config_from_json
+  from k3train.train.checkpoint import config_to_json
+  saved = config_to_json(k3_tiny.get_config())
+  del saved["model"]["moe"]["qb_rounds"], saved["train"]["loss_chunk_tokens"]
+  saved["model"]["moe"]["top_k"] = 3
+  cfg = config_lib.validate(config_from_json(saved))
+  assert cfg.model.moe.qb_rounds == config_lib.defaults.k3_full().model.moe.qb_rounds
+  assert cfg.train.loss_chunk_tokens == 0
+  assert cfg.model.moe.top_k == 3                       # given keys are kept
+  bare = ml_collections.ConfigDict({"model": {"moe": {"top_k": 3}}})
+  filled = config_lib.fill_missing_keys(bare)
+  assert "model.moe.qb_rounds" in filled and "model.moe.top_k" not in filled and "train" in filled
+
+
 def test_configdict_rejects_str_for_int_itself():
   # ConfigDict's own type safety stops this before validate ever runs.
   cfg = full()

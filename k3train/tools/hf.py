@@ -346,8 +346,10 @@ def _finish(staging: str, target: str) -> None:
 
 
 def config_from_json(values: dict):
-  """A ConfigDict from a config's JSON form (lists → tuples, objects → ConfigDicts)."""
+  """A ConfigDict from a config's JSON form (lists → tuples, objects → ConfigDicts); keys that
+  an earlier k3train did not write take their defaults (`config.fill_missing_keys`)."""
   import ml_collections
+  from k3train import config as config_lib
 
   def value(v):
     if isinstance(v, dict):
@@ -356,7 +358,9 @@ def config_from_json(values: dict):
       return tuple(value(x) for x in v)
     return v
 
-  return value(values)
+  cfg = value(values)
+  config_lib.fill_missing_keys(cfg)
+  return cfg
 
 
 def config_file_text(cfg) -> str:
