@@ -349,9 +349,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
       mean = jnp.maximum(jnp.mean(load_le, axis=-1, keepdims=True), 1e-9)
       metrics["moe_max_load"] = jnp.max(load_le / mean)  # worst layer's max/mean expert load
       load_layers = per_layer(rest, moe.ExpertLoad)                  # [MoE layers, E], layer order
-      metrics["moe_load"] = load_layers / jnp.maximum(jnp.sum(load_layers, axis=-1, keepdims=True), 1e-9)
-      bias_layers = per_layer(rest, moe.RouterBias)                  # [MoE layers, E]
-      metrics["router_bias_spread"] = jnp.max(jnp.max(bias_layers, axis=-1) - jnp.min(bias_layers, axis=-1))
+      if load_layers is not None:       # None when the only MoE layer is the MTP module's
+        metrics["moe_load"] = load_layers / jnp.maximum(jnp.sum(load_layers, axis=-1, keepdims=True), 1e-9)
+        bias_layers = per_layer(rest, moe.RouterBias)                # [MoE layers, E]
+        metrics["router_bias_spread"] = jnp.max(jnp.max(bias_layers, axis=-1) - jnp.min(bias_layers, axis=-1))
     logits_max = _collect(rest, MaxLogit)
     if logits_max:
       metrics["mla_max_logit"] = jnp.max(jnp.concatenate([x.reshape(-1) for x in logits_max]))
