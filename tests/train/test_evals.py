@@ -15,28 +15,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.configs import k3_tiny
+from tests.train.test_head_loss import BT, TT, _tiny_config
 from k3train import config as config_lib
 from k3train.train import builder
 from k3train.train import evals
 
-B, T, CHUNK = 4, 64, 16          # 4 chunks of 16 positions per row
+B, T, CHUNK = BT, TT, 16          # 4 chunks of 16 positions per row
 TASKS = ("passkey", "multikey", "vartrack")      # all fit in 64 tokens with the default tokenizer
 WORDS = "alpha beta gamma delta kernel tensor shard layer expert router token batch".split()
 
 
 def _config(eval_source: str, loss_chunk_tokens: int):
-  """k3_tiny cut to one layer, batch 4 × 64: the model and optimizer of the train step test of
-  tests/train/test_head_loss.py, so model initialisation reuses its compiled programs."""
-  cfg = k3_tiny.get_config()
-  cfg.model.num_layers = 1
-  cfg.model.mla_layers = (1,)
-  cfg.model.mtp.enabled = False
-  cfg.train.global_batch_size = B
-  cfg.data.seq_len = T
-  cfg.optim.warmup_steps = 0
-  cfg.optim.adam_eps = 1e-2
-  cfg.train.loss_chunk_tokens = loss_chunk_tokens
+  """The one-layer k3_tiny of the train step test of tests/train/test_head_loss.py (batch 4 × 64),
+  so model initialisation reuses its compiled programs, evaluating one held-out source."""
+  cfg = _tiny_config(loss_chunk_tokens)
   cfg.eval.sources = (eval_source,)           # a separate validation source: evaluated whole
   cfg.eval.batches = 2
   cfg.eval.position_buckets = 4
