@@ -1,6 +1,6 @@
 """k3train.tools.plan: per-device state bytes against a direct computation from the specs and
 against the shardings a run builds, the divisibility errors, activation-model invariants, the
-fused head's terms, the mesh search, config overrides, and the CLI on k3_full."""
+fused head's and the MTP module's terms, the mesh search, config overrides, and the CLI on k3_full."""
 
 from __future__ import annotations
 
@@ -289,6 +289,85 @@ def test_fused_head_replaces_the_logits_by_its_residuals_and_one_chunk(tiny):
   with pytest.raises(MeshError, match="sequence=2"):
     plan.make_plan(fused, state, sizes, **kw)
 
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp():
+  cfg = config_lib.validate(k3_tiny.get_config())
+  cfg.model.mtp.enabled = True
+  return cfg, builder.abstract_state(cfg)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_saveable", "none"])
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_mtp_adds_its_block_and_a_second_pass_through_the_head(tiny, tiny_mtp, remat, chunk):
+  """model.mtp on: the block inputs h and Emb(t+1), the head's terms a second time, and the
+  rematerialised block (five norms, proj, one MLA mixer and one MoE) as one more unscanned layer
+  under the remat policy. Same mesh and shapes as the fused-head test; the same state on both
+  sides, so the difference is the activations alone."""
+  cfg, state = tiny
+  cfg = copy.deepcopy(cfg)
+  cfg.train.loss_chunk_tokens = chunk
+  on = copy.deepcopy(cfg)
+  on.model.mtp.enabled = True
+  sizes = dict(data=1, fsdp=2, expert=1, sequence=2, tensor=2)
+  kw = dict(rules_name="full", seq_len=128, batch_per_device=2, remat=remat, device_memory_gib=1.0)
+  p0, p1 = (plan.make_plan(c, state, sizes, **kw) for c in (cfg, on))
+  m = cfg.model
+  A, F = np.dtype(m.dtype).itemsize, 4
+  b, d = 2, m.d_model
+  n = b * 128 // 2                       # tokens per device: 2 sequences, half of each
+  v = m.vocab_size // 2                  # vocab per device
+  logits = n * v * (A + F)               # the unfused head's logits and their fp32 copy
+  inputs = 2 * n * d * A                 # h and Emb(t+1), the block's inputs
+  head = n * d * A + (logits if not chunk else (d // 4) * v * F)   # head input or dx; or fp32 dW
+
+  costs = plan.layer_costs(on, p1.dims, "flash")
+  mla, moe = costs["mla"], costs["moe"]
+  block_saved = n * d * A + 5 * n * d * (F + A) + mla.saved + moe.saved   # proj, 5 norms
+  block_dots = n * d * A + mla.dots + moe.dots
+  assert (costs["mtp"].saved, costs["mtp"].dots) == (block_saved, block_dots)
+  assert costs["mtp_head"].saved == inputs + head
+  mtp_saved, mtp_working = {"full": (inputs + head, block_saved),
+                            "dots_saveable": (inputs + head + block_dots, block_saved - block_dots),
+                            "none": (inputs + head + block_saved, 0)}[remat]
+
+  lines0, lines1 = _lines(p0), _lines(p1)
+  assert lines1["of which MTP"] == mtp_saved
+  assert lines1["saved activations"] - lines0["saved activations"] == mtp_saved
+  # The block joins the candidates for the backward working set (one super-block here).
+  est = dict(seq_len=128, batch_per_device=2, remat=remat)
+  a0 = plan.estimate(cfg, rules_lib.get_rules("full"), plan.abstract_mesh(sizes), **est)
+  a1 = plan.estimate(on, rules_lib.get_rules("full"), plan.abstract_mesh(sizes), **est)
+  assert (a1.mtp_saved, a1.mtp_working) == (mtp_saved, mtp_working)
+  sched = config_lib.layer_schedule(m)
+  period = plan.Cost()
+  for kind in sched.period:
+    period = period + plan.layer_cost(costs, kind)
+  if remat != "none":
+    largest = period.saved - (period.dots if remat != "full" else 0)
+    assert a1.working - a0.working == max(0, mtp_working - largest)
+  else:
+    assert a1.working == a0.working
+  growth = lines1["backward working set"] - lines0["backward working set"]
+  assert p1.phases["backward"] - p0.phases["backward"] == mtp_saved + growth
+  assert p1.phases["optimizer"] == p0.phases["optimizer"]
+  assert p1.peak - p0.peak >= (logits if not chunk else n * d * A + (d // 4) * v * F)
+  assert set(p1.detail) - set(p0.detail) == {"mtp"}
+
+  # The run's own state (MTP parameters too) raises the peak further.
+  p_run = plan.make_plan(on, tiny_mtp[1], sizes, **kw)
+  assert p_run.peak > p1.peak and _lines(p_run)["of which MTP"] == mtp_saved
+
+  # Off, or no mtp section at all: no MTP term, the plan as without the module.
+  none = copy.deepcopy(cfg)
+  del none.model["mtp"]
+  for c in (cfg, none):
+    assert "mtp" not in plan.layer_costs(c, p0.dims, "flash")
+  p_none = plan.make_plan(none, state, sizes, **kw)
+  assert "of which MTP" not in lines0 and "mtp" not in p0.detail
+  assert (p_none.lines, p_none.phases, p_none.detail) == (p0.lines, p0.phases, p0.detail)
+  assert plan.format_plan(p_none, verbose=True) == plan.format_plan(p0, verbose=True)
 
 def test_search_returns_fitting_plans_best_first(tiny):
   cfg, state = tiny

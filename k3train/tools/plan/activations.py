@@ -37,6 +37,18 @@ grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by 
                               kernel; in forward only, one chunk of b · c / sequence tokens at a
                               time (its logits, softmax, d_logits and GEMM outputs: see
                               `fused_head_chunk_bytes`). Its backward only scales dx and dW.
+  MTP                         (model.mtp.enabled, k3train/model/mtp.py) one more block on the
+                              n tokens, rematerialised like an unscanned layer
+                              (`K3Model.mtp_hidden`): its inputs h and Emb(t_{i+1}) [n, d]
+                              (saved under every policy), and as residuals five RMSNorms
+                              (hidden, embedding, attention, MLP, output), the proj output
+                              [n, d] (a dot) and one MLA mixer and one MoE, as in a layer (no
+                              AttnRes mix). Its output goes through the shared head a second
+                              time: unfused, the head input [n, d], logits [n, V] and fp32
+                              loss again (the fp32 d_logits as transient, not at the same time
+                              as the main head's); fused, a second dx [n, d] and fp32 dW [d, V]
+                              residual (the chunk loop runs again, after the main one, so its
+                              forward buffers do not add).
 
 Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 layers, is what
 `jax.checkpoint` wraps; each unscanned prefix/suffix layer is wrapped on its own):
@@ -49,6 +61,10 @@ Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 la
                   non-dot residuals of one super-block (dots_with_no_batch_dims_saveable is
                   planned the same way: K3's projections have no batch dims).
   none            every layer's residuals.
+
+The MTP block is planned like one more unscanned layer under each policy: full recomputes its
+residuals in backward (a working-set candidate), dots_saveable keeps its dot outputs, none keeps
+all of them; its head terms are saved like the main head's.
 
 In the forward pass one layer's intermediates are live at a time (freed as it goes).
 """
@@ -265,7 +281,37 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
           saved=n * d * (F + A) + n * dims.vocab * F, transient=n * dims.vocab * F * 2)
   out["head"] = c + out["attn_res"]
   out["carry"] = Cost().add("scan carry: AttnRes source buffer + partial sum", saved=(ns + 1) * n * d * A)
+  if mtp_enabled(cfg):
+    out.update(mtp_costs(dims, out, A))
   return out
+
+
+def mtp_enabled(cfg) -> bool:
+  """Whether the model has the MTP module (model.mtp.enabled; a config without the section: no)."""
+  t = cfg.model.get("mtp")
+  return t is not None and bool(t.enabled)
+
+
+def mtp_costs(dims: Dims, costs: Mapping[str, Cost], A: int) -> dict[str, Cost]:
+  """The MTP module's costs (k3train/model/mtp.py): "mtp" the rematerialised block, "mtp_head"
+  what is saved outside it (its inputs and its pass through the shared head)."""
+  F = FP32
+  n, d, v = dims.n, dims.d, dims.vocab
+  # The two input norms' outputs are concatenated into the proj input [n, 2d]: counted as the
+  # norms' low-precision outputs, not again.
+  block = Cost().add("mtp: proj output M [RMSNorm(h); RMSNorm(e)] [n, d]", dots=n * d * A)
+  for _ in range(5):        # hidden, embedding, attention, MLP and output norms
+    block = block + costs["norm"]
+  block = block + costs["mla"] + costs["moe"]
+  head = Cost().add("mtp: block inputs h, Emb(t_{i+1}) [n, d]", saved=2 * n * d * A)
+  if dims.loss_chunk:
+    head.add("mtp fused head: dx residual [n, d]", saved=n * d * A)
+    head.add("mtp fused head: fp32 dW residual [d, V] (head kernel layout)",
+             saved=dims.head_d * dims.head_vocab * F)
+  else:
+    head.add("mtp head: input [n, d], logits + fp32 loss", dots=n * v * A,
+             saved=n * d * A + n * v * F, transient=2 * n * v * F)
+  return {"mtp": block, "mtp_head": head}
 
 
 def fused_head_chunk_bytes(dims: Dims, A: int) -> int:
@@ -310,8 +356,10 @@ class Activations:
   qb: int                 # forward QB margins
   rows: int               # rows of the expert exchange's receive buffer
   expert_buffers: int     # 3 × [rows, ℓ] exchange buffers (part of the working set)
-  detail: dict            # per-piece terms ("super-block", "unscanned", "head"; "carry" bytes)
+  detail: dict            # per-piece terms ("super-block", "unscanned", "head", "mtp"; "carry" bytes)
   head_chunk: int = 0     # forward: the fused head's chunk loop (`fused_head_chunk_bytes`)
+  mtp_saved: int = 0      # the MTP module's part of `saved` (0 without model.mtp)
+  mtp_working: int = 0    # its block's residuals recomputed in backward (a working-set candidate)
 
 
 def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: str,
@@ -335,39 +383,59 @@ def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: st
   nsb = sched.num_super_blocks
   grad_carry = 2 * carry                       # cotangents of a super-block's carry in and out
   transient = max(period.transient, unscanned_cost.transient, head.transient)
+  # MTP (absent: zero costs): the block is rematerialised like an unscanned layer, its inputs and
+  # head terms are saved under every policy.
+  mtp_block = costs.get("mtp", Cost())
+  mtp_saved = costs.get("mtp_head", Cost()).saved
+  transient = max(transient, mtp_block.transient, costs.get("mtp_head", Cost()).transient)
 
   if remat == "none":
+    mtp_saved += mtp_block.saved
+    mtp_working = 0
     saved = nsb * period.saved + unscanned_cost.saved + head.saved
     working = transient + grad_carry
     saved_note = f"all {cfg.model.num_layers} layers' residuals"
     working_note = "largest layer's buffers + carry cotangents"
   elif remat == "full":
     # The unscanned layers are rematerialised too: each keeps its input stream (one carry).
+    mtp_working = mtp_block.saved
     unscanned_max = max((layer_cost(costs, kind).saved for kind in unscanned), default=0)
     saved = (nsb + len(unscanned)) * carry + head.saved
-    working = max(period.saved, unscanned_max) + transient + grad_carry
+    working = max(period.saved, unscanned_max, mtp_working) + transient + grad_carry
     saved_note = (f"{nsb} scan carries + {len(unscanned)} unscanned-layer inputs "
                   f"({carry / GiB:.2f} GiB each) + head")
-    working_note = "one super-block's residuals + buffers"
+    working_note = ("one super-block's residuals + buffers"
+                    if mtp_working <= max(period.saved, unscanned_max)
+                    else "the MTP block's residuals + buffers")
   else:   # dots_saveable, dots_with_no_batch_dims_saveable (planned alike)
+    mtp_saved += mtp_block.dots
+    mtp_working = mtp_block.saved - mtp_block.dots
     unscanned_max = max((layer_cost(costs, kind).saved - layer_cost(costs, kind).dots
                          for kind in unscanned), default=0)
     saved = nsb * (carry + period.dots) + len(unscanned) * carry + unscanned_cost.dots + head.saved
-    working = max(period.saved - period.dots, unscanned_max) + transient + grad_carry
+    working = max(period.saved - period.dots, unscanned_max, mtp_working) + transient + grad_carry
     saved_note = (f"{nsb} × (carry + dot outputs {period.dots / GiB:.2f} GiB) + "
                   f"{len(unscanned)} unscanned layers + head")
-    working_note = "non-dot residuals of one super-block + buffers"
-  fwd_layer = max(layer_cost(costs, kind).saved for kind in set(sched.kinds))
+    working_note = ("non-dot residuals of one super-block + buffers"
+                    if mtp_working <= max(period.saved - period.dots, unscanned_max)
+                    else "non-dot residuals of the MTP block + buffers")
+  if "mtp" in costs:
+    saved += mtp_saved
+    saved_note += " + MTP"
+  fwd_layer = max([layer_cost(costs, kind).saved for kind in set(sched.kinds)] + [mtp_block.saved])
   qb = costs["qb_sort"].transient if cfg.model.moe.quantile_balancing else 0
   # The fused head's chunk loop runs after the last layer, in forward only (its backward only
   # scales the residuals), so it is not part of the backward working set.
   head_chunk = costs["head_chunk"] if "head_chunk" in costs else Cost()
   detail = {"super-block": period.terms, "unscanned": unscanned_cost.terms,
             "head": {**head.terms, **head_chunk.terms}, "carry": carry}
+  if "mtp" in costs:
+    detail["mtp"] = {**costs["mtp_head"].terms, **mtp_block.terms}
   return Activations(dims, saved, f"remat={remat}: {saved_note}", working, working_note,
                      max(fwd_layer + transient, qb, head_chunk.transient), qb, rows,
-                     3 * rows * cfg.model.moe.latent_dim * A, detail, head_chunk.transient)
+                     3 * rows * cfg.model.moe.latent_dim * A, detail, head_chunk.transient,
+                     mtp_saved, mtp_working)
 
 
 __all__ = ["Activations", "Cost", "Dims", "activation_dims", "estimate", "expert_rows",
-           "fused_head_chunk_bytes", "layer_cost", "layer_costs"]
+           "fused_head_chunk_bytes", "layer_cost", "layer_costs", "mtp_costs", "mtp_enabled"]

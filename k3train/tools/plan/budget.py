@@ -14,6 +14,9 @@ Terms besides the state (k3train/tools/plan/state.py) and the activations
                         stay split inside a layer);
   optimizer transient   3 × the largest local optimizer leaf during the update.
 
+With model.mtp on, the MTP module's share of the saved activations is listed on its own line
+(`activations.mtp_costs`).
+
 The peak is the largest of the forward, backward and optimizer phases; the plan fits if it is
 at most device memory × (1 − margin).
 """
@@ -127,6 +130,13 @@ def make_plan(cfg, state, sizes: Mapping[str, int], *, rules_name: str, seq_len:
        "this device's n tokens × E experts, fp32 + uint32 keys (bisection; forward only)"),
       ("optimizer transient", opt_transient, "3 × the largest local optimizer leaf"),
   ]
+  if "mtp" in acts.detail:
+    redo = f"{acts.mtp_working / GiB:.2f} GiB recomputed in backward"
+    block = {"none": "all residuals", "full": redo}.get(remat, f"dot outputs ({redo})")
+    head = "dx + fp32 dW residuals" if acts.dims.loss_chunk else "input, logits + fp32 loss"
+    at = [label for label, _, _ in lines].index("saved activations") + 1
+    lines.insert(at, ("  of which MTP", acts.mtp_saved,
+                      f"inputs h, Emb(t+1); block: {block}; shared head again: {head}"))
   if acts.dims.loss_chunk:
     d = acts.dims
     lines.insert(-1, ("fused head chunk loop", acts.head_chunk,
