@@ -67,6 +67,9 @@ def define(fv: flags.FlagValues) -> None:
                     flag_values=fv)
   flags.DEFINE_string("trace_dir", "", "where profiler traces go (default: a temporary folder)",
                       flag_values=fv)
+  flags.DEFINE_string("dump_dir", "", "with a profile: write <variant>_ops.json (every device op's "
+                      "ms per step, part and source) and <variant>_hlo.txt.gz (the compiled step) "
+                      "there", flag_values=fv)
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:
@@ -183,8 +186,10 @@ def _stats(event):
     return []
 
 
-def part_profile(trace_dir: str, hlo_text: str, steps: int) -> dict:
-  """Per-part device milliseconds per step, and the ten most expensive ops."""
+def part_profile(trace_dir: str, hlo_text: str, steps: int, dump_prefix: str = "") -> dict:
+  """Per-part device milliseconds per step, and the fifteen most expensive ops. With dump_prefix,
+  every op also goes to <dump_prefix>_ops.json and the compiled HLO to <dump_prefix>_hlo.txt.gz
+  (`dump_ops`)."""
   times, lines_seen = device_op_times(trace_dir)
   if not times:
     return {"error": "no device ops in the trace", "lines": lines_seen[:20]}
@@ -193,12 +198,31 @@ def part_profile(trace_dir: str, hlo_text: str, steps: int) -> dict:
   for op, seconds in times.items():
     parts[classify(where.get(op, ""))] += seconds
   total = sum(times.values())
-  top = sorted(times.items(), key=lambda kv: -kv[1])[:10]
-  return {"device_ms_per_step": round(1e3 * total / steps, 2),
-          "parts_ms_per_step": {k: round(1e3 * v / steps, 2)
-                                for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
-          "top_ops": [{"op": op, "ms_per_step": round(1e3 * s / steps, 2),
-                       "where": where.get(op, "")[-120:]} for op, s in top]}
+  top = sorted(times.items(), key=lambda kv: -kv[1])[:15]
+  out = {"device_ms_per_step": round(1e3 * total / steps, 2),
+         "parts_ms_per_step": {k: round(1e3 * v / steps, 2)
+                               for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+         "top_ops": [{"op": op, "ms_per_step": round(1e3 * s / steps, 2),
+                      "where": where.get(op, "")[-120:]} for op, s in top]}
+  if dump_prefix:
+    try:
+      dump_ops(dump_prefix, times, where, hlo_text, steps)
+    except OSError as e:
+      out["dump_error"] = str(e)[:200]
+  return out
+
+
+def dump_ops(prefix: str, times: dict[str, float], where: dict[str, str], hlo_text: str,
+             steps: int) -> None:
+  """<prefix>_ops.json: every device op, most expensive first, with its ms per step, part and
+  source location; <prefix>_hlo.txt.gz: the compiled step's HLO, to read an op in full."""
+  import gzip
+  ops = [{"op": op, "ms_per_step": round(1e3 * s / steps, 4), "part": classify(where.get(op, "")),
+          "where": where.get(op, "")} for op, s in sorted(times.items(), key=lambda kv: -kv[1])]
+  with open(prefix + "_ops.json", "w") as f:
+    json.dump(ops, f, indent=0)
+  with gzip.open(prefix + "_hlo.txt.gz", "wt") as f:
+    f.write(hlo_text)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -331,7 +355,11 @@ def measure(cfg, fv, name: str) -> dict:
       for _ in range(fv.profile_steps):
         state, loss = one_step(state)
     try:
-      row["profile"] = part_profile(trace_dir, hlo_text, fv.profile_steps)
+      dump_prefix = ""
+      if fv.dump_dir:
+        os.makedirs(fv.dump_dir, exist_ok=True)
+        dump_prefix = os.path.join(fv.dump_dir, name)
+      row["profile"] = part_profile(trace_dir, hlo_text, fv.profile_steps, dump_prefix)
     except Exception as e:                                   # noqa: BLE001
       row["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
   if loads:

@@ -12,6 +12,7 @@ from flax import nnx
 
 from k3train.parallel import axes as ax
 from k3train.model import layers
+from k3train.model import remat
 
 
 @jax.named_scope("attnres")
@@ -29,8 +30,9 @@ def attn_res_mix(sources_nbtd: jax.Array, num_valid: jax.Array | int, query_d: j
   valid = (jnp.arange(sources_nbtd.shape[0]) < num_valid)[:, None, None]
   scores = jnp.where(valid, scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=0)
-  probs = jnp.where(valid, probs, 0.0)
-  return jnp.einsum("nbt,nbtd->btd", probs, v32).astype(sources_nbtd.dtype)
+  probs = remat.tag(jnp.where(valid, probs, 0.0), remat.ATTNRES)
+  out = jnp.einsum("nbt,nbtd->btd", probs, v32).astype(sources_nbtd.dtype)
+  return remat.tag(out, remat.ATTNRES)
 
 
 class AttnResMix(nnx.Module):

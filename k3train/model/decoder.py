@@ -24,6 +24,7 @@ from k3train.model import attnres
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
 from k3train.model import layers
+from k3train.model import remat
 from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from k3train.model.moe import StableLatentMoE
@@ -81,10 +82,8 @@ class SuperBlock(nnx.Module):
     return stream
 
 
-# model.remat_policy → jax.checkpoint policy: "full" saves nothing, the others are jax's policies
-# of the same name ("none" does not rematerialise at all).
-REMAT_POLICIES = {name: None if name == "full" else getattr(jax.checkpoint_policies, name)
-                  for name in config_lib.REMAT_POLICIES if name != "none"}
+# model.remat_policy → jax.checkpoint policy (model/remat.py; "none" does not rematerialise).
+REMAT_POLICIES = {name: remat.policy(name) for name in config_lib.REMAT_POLICIES if name != "none"}
 
 
 class K3Model(nnx.Module):

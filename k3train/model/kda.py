@@ -24,6 +24,7 @@ from pallas_kernels.kda import kda as kda_op, kda_decode_step
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
 from k3train.model import layers
+from k3train.model import remat
 from k3train.parallel import sequence as seq_parallel
 
 L2_EPS = 1e-6
@@ -111,7 +112,7 @@ class KimiDeltaAttention(nnx.Module):
     act = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     def branch(proj, conv):
       y = seq_parallel.causal_conv(proj(x_btd), conv[...], segment_ids_bt, causal_conv)
-      return constrain(jax.nn.silu(y), *act)
+      return constrain(jax.nn.silu(remat.tag(y, remat.KDA_CONV)), *act)
     q = l2_normalize(branch(self.q_proj, self.q_conv))
     k = l2_normalize(branch(self.k_proj, self.k_conv))
     v = branch(self.v_proj, self.v_conv)

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3train.parallel import axes as ax
+from k3train.model import remat
 from k3train.model.layers import GluMLP, Linear, RMSNorm, normal_init, param, situ_glu
 from k3train.parallel import expert as expert_parallel
 from k3train.quant import mx
@@ -104,6 +105,7 @@ def route(scores_te: jax.Array, bias_e: jax.Array, top_k: int, *, renormalize: b
   """
   biased_te = scores_te + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
   _, idx_tk = jax.lax.top_k(biased_te, top_k)
+  idx_tk = remat.tag(idx_tk, remat.ROUTING)
   weights_tk = jnp.take_along_axis(scores_te, idx_tk, axis=-1)
   if renormalize and top_k > 1:
     weights_tk = weights_tk / (jnp.sum(weights_tk, axis=-1, keepdims=True) + 1e-20)
@@ -360,7 +362,9 @@ class RoutedExperts(nnx.Module):
       mm = lambda a, w: moe_ops.gmm(a, w.astype(self.dtype), group_sizes_e, backend=self.backend)
     else:
       mm = lambda a, w: self._mx_gmm(a, w, group_sizes_e, *quant)
-    h_mf = situ_glu(mm(x_ml, gate_elf), mm(x_ml, up_elf), self.beta, self.linear_beta)
+    gate_mf = remat.tag(mm(x_ml, gate_elf), remat.EXPERT_MLP)
+    up_mf = remat.tag(mm(x_ml, up_elf), remat.EXPERT_MLP)
+    h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta)
     return mm(h_mf, down_efl)
 
   def _mx_gmm(self, a_mk, w_ekn, group_sizes_e, q: ExpertQuant, weights_quantized: bool):

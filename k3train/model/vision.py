@@ -48,6 +48,7 @@ import ml_collections
 from flax import nnx
 
 from k3train.model import layers
+from k3train.model import remat
 from k3train.parallel import attention as parallel_attention
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
@@ -295,9 +296,7 @@ class VisionTower(nnx.Module):
       return block(x, segments, cos, sin), None
 
     if self.remat_policy != "none":
-      policy = None if self.remat_policy == "full" else getattr(jax.checkpoint_policies,
-                                                                 self.remat_policy)
-      body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+      body = jax.checkpoint(body, policy=remat.policy(self.remat_policy), prevent_cse=False)
     x, _ = jax.lax.scan(body, x, (params, rest))
     return self.final_norm(x)
 

@@ -16,6 +16,11 @@ import functools
 from typing import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
+
+# The name the forward's residuals (output and log-sum-exp) carry, so that a remat policy can keep
+# them instead of running the forward kernel again in the backward pass.
+RESIDUAL_NAME = "attention_residuals"
 
 
 def differentiable_attention(forward: Callable, backward: Callable) -> Callable:
@@ -32,6 +37,7 @@ def differentiable_attention(forward: Callable, backward: Callable) -> Callable:
 
   def attn_fwd(q, k, v, q_seg, kv_seg, q_last, scale, options):
     out, lse, row_max = forward(q, k, v, q_seg, kv_seg, q_last, scale=scale, options=options)
+    out, lse = checkpoint_name(out, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
     return (out, row_max), (q, k, v, q_seg, kv_seg, q_last, out, lse)
 
   def attn_bwd(scale, options, res, cotangents):

@@ -1,6 +1,8 @@
 """Whole-model invariants of the tiny K3: logical axes everywhere, no cross-document leakage,
 KDA layer document resets, scan = unrolled layers."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,9 +140,54 @@ def _assert_same_loss_and_grads(a, b, tol=1e-5):
 
 def test_remat_changes_neither_loss_nor_gradients():
   # Rematerialisation (scanned stack and the unscanned prefix/suffix layers) recomputes the same
-  # forward in the backward pass: same loss, same gradients (fp32; fusion may reorder sums).
-  _assert_same_loss_and_grads(_three_layer_loss_and_grads((40, 24), remat_policy="none"),
-                              _three_layer_loss_and_grads((40, 24), remat_policy="full"))
+  # forward in the backward pass: same loss, same gradients (fp32; fusion may reorder sums). The
+  # selective policy keeps some values instead of recomputing them: the same numbers again.
+  reference = _three_layer_loss_and_grads((40, 24), remat_policy="none")
+  _assert_same_loss_and_grads(reference, _three_layer_loss_and_grads((40, 24), remat_policy="full"))
+  _assert_same_loss_and_grads(reference,
+                              _three_layer_loss_and_grads((40, 24), remat_policy="selective"))
+
+
+def _primitive_counts(remat_policy: str) -> collections.Counter:
+  """Primitives in the jaxpr of the 3-layer tiny model's value_and_grad, sub-jaxprs included."""
+  from jax.extend import core as jcore
+  from k3train.train.step import forward_loss
+  cfg = k3_tiny.get_config()
+  cfg.model.num_layers, cfg.model.mla_layers = 3, (2, 3)
+  cfg.model.remat_policy = remat_policy
+  model = build_model(cfg.model, seed=0)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 97 + 3
+  batch = {"tokens": tokens, "targets": tokens, "segment_ids": jnp.ones((2, 64), jnp.int32),
+           "loss_mask": jnp.ones((2, 64), jnp.float32)}
+  grad_fn = jax.value_and_grad(lambda p: forward_loss(graphdef, p, rest, batch)[0])
+  counts = collections.Counter()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      counts[eqn.primitive.name] += 1
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else [value]:
+          if isinstance(sub, jcore.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jcore.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(grad_fn)(params).jaxpr)
+  return counts
+
+
+def test_selective_remat_keeps_routing_and_attention_instead_of_recomputing():
+  # Under "full" the backward pass runs the router's top-k (after the QB rounds) and the blockwise
+  # attention forward loop again; "selective" keeps the top-k indices and the attention residuals
+  # (model/remat.py), so its gradient program has as many of both as the one without remat, and
+  # fewer dot_generals than "full" (it keeps the projections too).
+  none, full, selective = (_primitive_counts(p) for p in ("none", "full", "selective"))
+  assert full["top_k"] > none["top_k"] > 0
+  assert selective["top_k"] == none["top_k"]
+  assert full["while"] > none["while"] > 0
+  assert selective["while"] == none["while"]
+  assert none["dot_general"] < selective["dot_general"] < full["dot_general"]
 
 
 def test_flash_attention_path_matches_the_dense_path():

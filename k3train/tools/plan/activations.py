@@ -60,6 +60,10 @@ Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 la
   dots_saveable   as full, plus every dot output of every super-block; the working set is the
                   non-dot residuals of one super-block (dots_with_no_batch_dims_saveable is
                   planned the same way: K3's projections have no batch dims).
+  selective       as dots_saveable, plus the values k3train/model/remat.py keeps by name: the
+                  top-k expert indices (int32), the expert gate/up gmm outputs, the KDA conv
+                  outputs of q, k, v, the attention output with its fp32 log-sum-exp, and each
+                  AttnRes site's output and fp32 mixing weights.
   none            every layer's residuals.
 
 The MTP block is planned like one more unscanned layer under each policy: full recomputes its
@@ -165,22 +169,27 @@ def activation_dims(cfg, rules, mesh, seq_len: int, batch_per_device: int) -> Di
 @dataclasses.dataclass
 class Cost:
   """Bytes of one layer (or piece): residuals saved for backward, the dot-output part of them,
-  and the transient peak of its buffers in forward / backward."""
+  the part of the non-dot residuals the `selective` policy keeps by name (`kept`, included in
+  `saved`), and the transient peak of its buffers in forward / backward."""
   saved: int = 0
   dots: int = 0
   transient: int = 0
   terms: dict = dataclasses.field(default_factory=dict)
+  kept: int = 0
 
-  def add(self, name: str, saved: int = 0, dots: int = 0, transient: int = 0) -> "Cost":
+  def add(self, name: str, saved: int = 0, dots: int = 0, transient: int = 0,
+          kept: int = 0) -> "Cost":
+    """kept: bytes of `saved` that the selective policy keeps (at most saved)."""
     self.saved += saved + dots
     self.dots += dots
+    self.kept += min(kept, saved)
     self.transient = max(self.transient, transient)
     self.terms[name] = self.terms.get(name, 0) + saved + dots + transient
     return self
 
   def __add__(self, other: "Cost") -> "Cost":
     out = Cost(self.saved + other.saved, self.dots + other.dots,
-               max(self.transient, other.transient), dict(self.terms))
+               max(self.transient, other.transient), dict(self.terms), self.kept + other.kept)
     for k, v in other.terms.items():
       out.terms[k] = out.terms.get(k, 0) + v
     return out
@@ -209,7 +218,8 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   # normalised keys are elementwise and assumed fused into their consumers (transient only).
   out["attn_res"] = Cost().add("attn_res: sources [N_max, n, d] + fp32 stats",
                                saved=n * ns * d * A + 2 * n * ns * F,
-                               dots=n * d * F + n * ns * F, transient=2 * n * ns * d * F)
+                               dots=n * d * F + n * ns * F, transient=2 * n * ns * d * F,
+                               kept=n * d * A + n * ns * F)
   out["norm"] = Cost().add("rmsnorm: fp32 input + output", saved=n * d * (F + A))
 
   k = m.kda
@@ -217,7 +227,7 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   c = Cost()
   c.add("kda: projections q,k,v,g,f,b,o", dots=n * (5 * h * K * A + K * A + h * A + d * A))
   c.add("kda: conv + silu outputs, fp32 l2-normed q/k, gates",
-        saved=n * h * K * (6 * A + 4 * F) + n * h * F)
+        saved=n * h * K * (6 * A + 4 * F) + n * h * F, kept=3 * n * h * K * A)
   c.add("kda: chunk states [H,K,V] fp32 per chunk + W/U",
         saved=n * h * K * V * F // k.chunk_size + n * h * (K + V) * F,
         transient=n * h * k.chunk_size * F * 2
@@ -235,7 +245,7 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   c.add("mla: fp32 latent norms, gate, output", saved=n * (a.q_lora_rank * F + a.kv_lora_rank * F
                                                            + h * a.v_head_dim * (2 * F + A) + h * F))
   c.add("mla: attention op inputs q, k [n, H, dqk], output and log-sum-exp",
-        saved=n * h * (2 * qk * A + a.v_head_dim * A + F))
+        saved=n * h * (2 * qk * A + a.v_head_dim * A + F), kept=n * h * (a.v_head_dim * A + F))
   kv_gathered = 0
   if dims.seq_shards > 1:   # K/V of the other sequence shards, and their cotangents in backward
     kv_gathered = 2 * dims.b * (dims.T - dims.t_local) * h * (qk + a.v_head_dim) * A
@@ -255,12 +265,13 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   E, topk, lat, fl, sh = e.num_experts, e.top_k, e.latent_dim, dims.expert_hidden, dims.shared_hidden
   rows = expert_rows(dims, topk, expert_capacity)
   c = Cost()
-  c.add("moe: router fp32 input, logits, scores", dots=n * E * F, saved=n * (d * F + E * F + topk * 8))
+  c.add("moe: router fp32 input, logits, scores", dots=n * E * F, saved=n * (d * F + E * F + topk * 8),
+        kept=n * topk * 4)
   c.add("moe: latent down/up, latent norm", dots=n * (lat * A + d * A), saved=n * lat * (F + A))
   c.add("moe: shared experts", dots=n * (2 * sh * A + d * A), saved=n * sh * (A + F))
   c.add(f"moe: expert rows (ep·n·k = {rows:,}) gmm input, gate/up/hidden, combine",
         saved=rows * (lat + 3 * fl) * A + n * topk * lat * A,
-        transient=3 * rows * lat * A)
+        transient=3 * rows * lat * A, kept=2 * rows * fl * A)
   out["moe"] = c
   # QB finds its quantile by bisection over per-expert counts: each device compares only its own
   # n tokens' [n, E] fp32 margins (and their uint32 keys) and all-reduces [E] counts.
@@ -407,18 +418,21 @@ def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: st
     working_note = ("one super-block's residuals + buffers"
                     if mtp_working <= max(period.saved, unscanned_max)
                     else "the MTP block's residuals + buffers")
-  else:   # dots_saveable, dots_with_no_batch_dims_saveable (planned alike)
-    mtp_saved += mtp_block.dots
-    mtp_working = mtp_block.saved - mtp_block.dots
-    unscanned_max = max((layer_cost(costs, kind).saved - layer_cost(costs, kind).dots
+  else:   # dots_saveable, dots_with_no_batch_dims_saveable (planned alike); selective
+    keeps = (lambda c: c.dots + c.kept) if remat == "selective" else (lambda c: c.dots)
+    what = "dot outputs + named values" if remat == "selective" else "dot outputs"
+    mtp_saved += keeps(mtp_block)
+    mtp_working = mtp_block.saved - keeps(mtp_block)
+    unscanned_max = max((layer_cost(costs, kind).saved - keeps(layer_cost(costs, kind))
                          for kind in unscanned), default=0)
-    saved = nsb * (carry + period.dots) + len(unscanned) * carry + unscanned_cost.dots + head.saved
-    working = max(period.saved - period.dots, unscanned_max, mtp_working) + transient + grad_carry
-    saved_note = (f"{nsb} × (carry + dot outputs {period.dots / GiB:.2f} GiB) + "
+    saved = nsb * (carry + keeps(period)) + len(unscanned) * carry + keeps(unscanned_cost) + head.saved
+    working = max(period.saved - keeps(period), unscanned_max, mtp_working) + transient + grad_carry
+    saved_note = (f"{nsb} × (carry + {what} {keeps(period) / GiB:.2f} GiB) + "
                   f"{len(unscanned)} unscanned layers + head")
-    working_note = ("non-dot residuals of one super-block + buffers"
-                    if mtp_working <= max(period.saved - period.dots, unscanned_max)
-                    else "non-dot residuals of the MTP block + buffers")
+    rest = "unkept" if remat == "selective" else "non-dot"
+    working_note = (f"{rest} residuals of one super-block + buffers"
+                    if mtp_working <= max(period.saved - keeps(period), unscanned_max)
+                    else f"{rest} residuals of the MTP block + buffers")
   if "mtp" in costs:
     saved += mtp_saved
     saved_note += " + MTP"

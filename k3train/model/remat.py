@@ -1,0 +1,55 @@
+"""Remat policies: which forward values a rematerialised layer keeps for its backward pass.
+
+`model.remat_policy` names one (k3train/config.py: REMAT_POLICIES):
+  none       no rematerialisation: autodiff keeps every residual.
+  full       keep nothing inside a layer; the backward pass recomputes the whole forward.
+  dots_saveable, dots_with_no_batch_dims_saveable
+             jax's policies of those names: keep matmul (dot_general) outputs.
+  selective  keep the dot outputs without batch dimensions (every projection) and the values
+             tagged with the names below, which are cheap to keep and costly to recompute:
+               moe_routing     the top-k expert indices [N, k] int32: the router's top-k and
+                               every Quantile Balancing round behind it are not recomputed;
+               moe_expert_mlp  the gate and up grouped-matmul outputs [rows, F]: the expert
+                               forward GEMMs are not recomputed;
+               kda_conv        the short-convolution outputs of q, k, v [B, T, H, K] before the
+                               SiLU: the conv (shifted, document-masked sums) is not recomputed;
+               attention_residuals
+                               the attention kernel's output and log-sum-exp (saved by its
+                               custom VJP): the attention forward kernel is not recomputed;
+               attnres_mix     each AttnRes site's output [B, T, d] and mixing weights
+                               [N, B, T] fp32: the mix over all sources is not recomputed.
+             Everything else (norms, gates, the AttnRes keys, the KDA kernel's forward) is
+             recomputed as under `full`. `k3train/tools/plan` plans the kept bytes per layer.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from pallas_kernels.attention import vjp as attention_vjp
+
+ROUTING = "moe_routing"
+EXPERT_MLP = "moe_expert_mlp"
+KDA_CONV = "kda_conv"
+ATTENTION = attention_vjp.RESIDUAL_NAME
+ATTNRES = "attnres_mix"
+SELECTIVE_NAMES = (ROUTING, EXPERT_MLP, KDA_CONV, ATTENTION, ATTNRES)
+
+
+def tag(x: jax.Array, name: str) -> jax.Array:
+  """x, tagged so that a remat policy can keep it by name (the identity otherwise)."""
+  return checkpoint_name(x, name)
+
+
+def policy(name: str):
+  """The `jax.checkpoint` policy of a `model.remat_policy` other than "none" ("full": None)."""
+  if name == "full":
+    return None
+  if name == "selective":
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*SELECTIVE_NAMES))
+  if name in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
+    return getattr(jax.checkpoint_policies, name)
+  raise ValueError(f"model.remat_policy: no jax.checkpoint policy for {name!r}")
