@@ -5,7 +5,8 @@
 
 The slice is the config's model cut to five decoder layers: the dense first layer (KDA), three
 KDA layers and one MLA layer, each with its Block-AttnRes mixes, the last four with the latent MoE;
-model.dtype and model.remat_policy as configured (k3_h200: bf16, full remat). Batch 1 of
+model.dtype and model.remat_policy as configured (k3_h200: bf16, selective remat; the records in
+long_context.md used full remat: add --config.model.remat_policy=full to repeat them). Batch 1 of
 data.seq_len tokens in `--documents` equal documents. The loss is the mean square of the final
 AttnRes mix (no LM head: a [T, 163,840] logit array would dwarf the slice at these lengths), so
 the timed program is the layers' forward and the gradient of every parameter. MLA runs through

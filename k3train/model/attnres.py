@@ -12,7 +12,6 @@ from flax import nnx
 
 from k3train.parallel import axes as ax
 from k3train.model import layers
-from k3train.model import remat
 
 
 @jax.named_scope("attnres")
@@ -30,9 +29,8 @@ def attn_res_mix(sources_nbtd: jax.Array, num_valid: jax.Array | int, query_d: j
   valid = (jnp.arange(sources_nbtd.shape[0]) < num_valid)[:, None, None]
   scores = jnp.where(valid, scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=0)
-  probs = remat.tag(jnp.where(valid, probs, 0.0), remat.ATTNRES)
-  out = jnp.einsum("nbt,nbtd->btd", probs, v32).astype(sources_nbtd.dtype)
-  return remat.tag(out, remat.ATTNRES)
+  probs = jnp.where(valid, probs, 0.0)
+  return jnp.einsum("nbt,nbtd->btd", probs, v32).astype(sources_nbtd.dtype)
 
 
 class AttnResMix(nnx.Module):

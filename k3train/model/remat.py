@@ -15,11 +15,11 @@
                                SiLU: the conv (shifted, document-masked sums) is not recomputed;
                attention_residuals
                                the attention kernel's output and log-sum-exp (saved by its
-                               custom VJP): the attention forward kernel is not recomputed;
-               attnres_mix     each AttnRes site's output [B, T, d] and mixing weights
-                               [N, B, T] fp32: the mix over all sources is not recomputed.
-             Everything else (norms, gates, the AttnRes keys, the KDA kernel's forward) is
+                               custom VJP): the attention forward kernel is not recomputed.
+             Everything else (norms, gates, the AttnRes mixes, the KDA kernel's forward) is
              recomputed as under `full`. `k3train/tools/plan` plans the kept bytes per layer.
+             (Keeping the AttnRes mix outputs as well was measured slower on the H200: XLA
+             then fuses the recomputed source norms into a slower reduction.)
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ ROUTING = "moe_routing"
 EXPERT_MLP = "moe_expert_mlp"
 KDA_CONV = "kda_conv"
 ATTENTION = attention_vjp.RESIDUAL_NAME
-ATTNRES = "attnres_mix"
-SELECTIVE_NAMES = (ROUTING, EXPERT_MLP, KDA_CONV, ATTENTION, ATTNRES)
+SELECTIVE_NAMES = (ROUTING, EXPERT_MLP, KDA_CONV, ATTENTION)
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:

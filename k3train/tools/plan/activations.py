@@ -62,8 +62,7 @@ Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 la
                   planned the same way: K3's projections have no batch dims).
   selective       as dots_saveable, plus the values k3train/model/remat.py keeps by name: the
                   top-k expert indices (int32), the expert gate/up gmm outputs, the KDA conv
-                  outputs of q, k, v, the attention output with its fp32 log-sum-exp, and each
-                  AttnRes site's output and fp32 mixing weights.
+                  outputs of q, k, v and the attention output with its fp32 log-sum-exp.
   none            every layer's residuals.
 
 The MTP block is planned like one more unscanned layer under each policy: full recomputes its
@@ -218,8 +217,7 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   # normalised keys are elementwise and assumed fused into their consumers (transient only).
   out["attn_res"] = Cost().add("attn_res: sources [N_max, n, d] + fp32 stats",
                                saved=n * ns * d * A + 2 * n * ns * F,
-                               dots=n * d * F + n * ns * F, transient=2 * n * ns * d * F,
-                               kept=n * d * A + n * ns * F)
+                               dots=n * d * F + n * ns * F, transient=2 * n * ns * d * F)
   out["norm"] = Cost().add("rmsnorm: fp32 input + output", saved=n * d * (F + A))
 
   k = m.kda
