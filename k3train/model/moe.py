@@ -482,8 +482,10 @@ class StableLatentMoE(nnx.Module):
       bias_e = bias_e - (shift_e - jnp.mean(shift_e))
       self.qb_mean_score.set_value(jnp.where(jnp.sum(real) > 0, mean_e, ref_e))
     with jax.named_scope("router_qb"):
-      for _ in range(self.qb_rounds):
-        bias_e = quantile_balancing_bias(scores_ne, bias_e, real_n, self.top_k)
+      # One copy of the QB round in the compiled step, run qb_rounds times (a short loop).
+      bias_e = jax.lax.fori_loop(
+          0, self.qb_rounds,
+          lambda _, b: quantile_balancing_bias(scores_ne, b, real_n, self.top_k), bias_e)
     self.router.bias.set_value(bias_e)     # the bias this batch routed with (QB's α reads it)
     weights_nk, idx_nk = route(scores_ne, bias_e, self.top_k, renormalize=self.router.renormalize,
                                routed_scaling_factor=self.router.routed_scaling_factor)

@@ -199,10 +199,10 @@ def test_activation_model_invariants(tiny):
   cfg, state = tiny
   kw = dict(rules_name="full", seq_len=128, batch_per_device=2, device_memory_gib=1.0)
   plans = {r: plan.make_plan(cfg, state, SMALL_MESH, remat=r, **kw)
-           for r in ("none", "dots_saveable", "full")}
+           for r in ("none", "selective", "dots_saveable", "full")}
   saved = {r: dict((l.strip(), b) for l, b, _ in p.lines)["saved activations"]
            for r, p in plans.items()}
-  assert saved["none"] > saved["dots_saveable"] > saved["full"] > 0
+  assert saved["none"] > saved["selective"] > saved["dots_saveable"] > saved["full"] > 0
   p = plans["full"]
   d = p.dims
   assert d.n == 2 * 128 and d.batch_shards == 4 and d.global_batch == 8   # fsdp·expert = 4
