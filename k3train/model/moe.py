@@ -155,7 +155,7 @@ class Router(nnx.Module):
 
 
 def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_t: jax.Array,
-                            top_k: int) -> jax.Array:
+                            top_k: int, *, bisection_unroll: int | bool | None = None) -> jax.Array:
   """One Quantile-Balancing step (docs/maths.md §5.3), in sigmoid-score space, over real tokens.
 
       α_t  = (k+1)-th largest over e of (s_te + b_e)     token cutoff with the current bias
@@ -172,6 +172,8 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
   The quantile is an exact order statistic found by bisection over the float bit patterns
   (`kth_largest_per_column`): 32 rounds of per-expert counts, so under data sharding only [E]
   counts are all-reduced, never the [T, E] margins, and the result equals a sort's bit for bit.
+  bisection_unroll: how many of those rounds one loop iteration runs (True: all 32, no loop;
+  None: `default_bisection_unroll()`).
   """
   scores_te = jax.lax.stop_gradient(scores_te.astype(jnp.float32))
   bias_e = jax.lax.stop_gradient(bias_e.astype(jnp.float32))
@@ -185,10 +187,19 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
 
   m_real = jnp.sum(real_t, dtype=jnp.int32)
   q = jnp.clip((m_real * top_k) // num_experts, 0, jnp.maximum(m_real - 1, 0))
-  beta_e = kth_largest_per_column(margin_te, q)
+  if bisection_unroll is None:
+    bisection_unroll = default_bisection_unroll()
+  beta_e = kth_largest_per_column(margin_te, q, unroll=bisection_unroll)
   new_bias_e = -beta_e
   new_bias_e = new_bias_e - jnp.mean(new_bias_e)
   return jax.lax.stop_gradient(jnp.where(m_real > 0, new_bias_e, bias_e))
+
+
+def default_bisection_unroll() -> int | bool:
+  """All 32 bisection rounds unrolled on GPUs (the measured train step's form; a loop's cost there
+  is what benchmarks/qb_bisection.py measures), a loop of 32 elsewhere: on CPU the unrolled
+  rounds multiply the step's compile time for no run-time gain. Same bits either way."""
+  return True if jax.default_backend() == "gpu" else 1
 
 
 def _ordered_uint32(x: jax.Array) -> jax.Array:
@@ -204,21 +215,24 @@ def _from_ordered_uint32(u: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def kth_largest_per_column(x_te: jax.Array, k: jax.Array) -> jax.Array:
+def kth_largest_per_column(x_te: jax.Array, k: jax.Array, *, unroll: int | bool = True) -> jax.Array:
   """[E]: the (k+1)-th largest value of each column of x_te [T, E] (k dynamic, 0 ≤ k < T).
 
   Bit-by-bit bisection on the order-preserving uint32 image of the floats: keep the largest
   threshold u with #{t : x_te ≥ u} ≥ k + 1. Each of the 32 rounds needs only per-column counts,
   so a token axis sharded over devices costs one [E] all-reduce per round; the answer is an
-  element of the column (NaN-free input assumed), equal to sorting.
+  element of the column (NaN-free input assumed), equal to sorting. `unroll` rounds run per loop
+  iteration (True: all 32 unrolled, no loop; every setting gives the same bits).
   """
   u_te = _ordered_uint32(x_te)
   need = (k + 1).astype(jnp.int32)
-  ans_e = jnp.zeros((x_te.shape[1],), jnp.uint32)
-  for bit in range(31, -1, -1):
-    cand_e = ans_e | jnp.uint32(1 << bit)
+
+  def one_bit(i, ans_e):                     # bits 31 … 0, most significant first
+    cand_e = ans_e | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
     count_e = jnp.sum(u_te >= cand_e[None, :], axis=0, dtype=jnp.int32)
-    ans_e = jnp.where(count_e >= need, cand_e, ans_e)
+    return jnp.where(count_e >= need, cand_e, ans_e)
+
+  ans_e = jax.lax.fori_loop(0, 32, one_bit, jnp.zeros((x_te.shape[1],), jnp.uint32), unroll=unroll)
   return _from_ordered_uint32(ans_e)
 
 

@@ -380,10 +380,11 @@ def test_qb_bias_update_requires_the_bias():
     moe_lib.qb_bias_update(nnx.state(moe, moe_lib.QBPending))
 
 
-def test_kth_largest_per_column_equals_a_sort():
+@pytest.mark.parametrize("unroll", [True, 4, 1])
+def test_kth_largest_per_column_equals_a_sort(unroll):
   # QB's exact order statistic by bit bisection over counts (no [T, E] sort or gather):
   # the same element a descending sort puts at index k, including ±0 ties, −inf padding and
-  # values across six decades.
+  # values across six decades; unrolled or as a loop of 8 or 32 iterations.
   from k3train.model.moe import kth_largest_per_column
   rng = np.random.default_rng(0)
   for _ in range(20):
@@ -392,5 +393,5 @@ def test_kth_largest_per_column_equals_a_sort():
     x[rng.random((50, 7)) < 0.1] = 0.0
     x[:3] = -0.0
     k = int(rng.integers(0, 50))
-    got = np.asarray(kth_largest_per_column(jnp.asarray(x), jnp.int32(k)))
+    got = np.asarray(kth_largest_per_column(jnp.asarray(x), jnp.int32(k), unroll=unroll))
     np.testing.assert_array_equal(got, -np.sort(-x, axis=0)[k])
