@@ -11,7 +11,8 @@ with each `--workers` count as data.num_workers: 0 is in-process with 2 reader t
 (data.num_threads), more is grain mp_prefetch worker processes with 1 thread each.
 
 Consumption: tokens/s one device trains the config's model at an assumed 40 % MFU of
-train.peak_flops_per_device (989 TFLOP/s, dense bf16 H200, in k3_h200), from the train loop's
+train.peak_flops_per_device, or when that is 0 of an H200's dense bf16 peak (989 TFLOP/s, the
+train loop's device-kind table), from the train loop's
 FLOPs-per-token formula (`builder.model_size`). Prints a markdown table.
 """
 
@@ -44,7 +45,13 @@ def device_tokens_per_s(cfg) -> tuple[float, float]:
   """(tokens/s one device trains at MFU, training FLOPs per token)."""
   from k3train.train import builder
   fpt = builder.model_size(cfg).flops_per_token
-  return MFU * cfg.train.peak_flops_per_device / fpt, fpt
+  return MFU * _peak(cfg) / fpt, fpt
+
+
+def _peak(cfg) -> float:
+  """The config's peak, or an H200's (the device the consumption is quoted for)."""
+  from k3train.train import metrics
+  return metrics.peak_flops_per_device(cfg.train.peak_flops_per_device, "NVIDIA H200")
 
 
 def measure(data_cfg, source: str, *, workers: int, threads: int, vision: bool, seconds: float,
@@ -84,7 +91,7 @@ def main(argv=None) -> int:
     cli.error(PROG, f"--workers must be non-negative integers, got {','.join(f.workers)}")
     return cli.USAGE_ERROR
   consume, fpt = device_tokens_per_s(cfg)
-  peak = cfg.train.peak_flops_per_device
+  peak = _peak(cfg)
   print(f"{f['config'].config_filename}: {fpt:.3g} training FLOPs/token -> {consume:,.0f} "
         f"tokens/s per device at {MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s; goal >= 3x = "
         f"{3 * consume:,.0f} tokens/s\n")

@@ -333,6 +333,7 @@ def measure(cfg, fv, name: str) -> dict:
   tokens = t.global_batch_size * cfg.data.seq_len
   tps = tokens / step_s
   device = jax.devices()[0]
+  peak_flops = metrics_lib.peak_flops_per_device(t.peak_flops_per_device, device.device_kind)
   peak = {}
   stats = device.memory_stats() or {}
   if stats:
@@ -340,7 +341,8 @@ def measure(cfg, fv, name: str) -> dict:
             "limit_gib": round(stats.get("bytes_limit", 0) / 2**30, 2)}
   row = {"name": name, "step_s": round(step_s, 4), "step_s_min": round(min(times), 4),
          "tokens_per_step": tokens, "tokens_per_s": round(tps, 1),
-         "mfu": round(metrics_lib.mfu(tps, size.flops_per_token, t.peak_flops_per_device, 1), 4),
+         "mfu": round(metrics_lib.mfu(tps, size.flops_per_token, peak_flops, 1), 4),
+         "peak_flops_per_device": peak_flops,
          "flops_per_token": size.flops_per_token, "compile_s": round(compile_s, 1),
          "loss_last": round(loss, 4), **peak, **memory_row(compiled, cfg, jax.device_count())}
   if fv.profile_steps:

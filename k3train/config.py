@@ -195,6 +195,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   t = cfg.train
   _require(t.global_batch_size >= 1, "train.global_batch_size", f"must be >= 1, got {t.global_batch_size}")
   _require(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+  _require(t.peak_flops_per_device >= 0, "train.peak_flops_per_device",
+           f"must be >= 0 (0: by device kind), got {t.peak_flops_per_device}")
   _require(t.microbatches >= 1 and t.global_batch_size % t.microbatches == 0, "train.microbatches",
            f"must be >= 1 and divide train.global_batch_size={t.global_batch_size}, "
            f"got {t.microbatches}")

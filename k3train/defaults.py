@@ -142,7 +142,7 @@ def k3_full() -> ml_collections.ConfigDict:
   t.loss_chunk_tokens = 0
   t.steps = 1_000_000
   t.log_every = 10
-  t.peak_flops_per_device = 989e12  # dense bf16 peak of one H100/H200, for MFU
+  t.peak_flops_per_device = 0.0     # MFU's peak; 0: by device kind (train/metrics.py PEAK_BF16_FLOPS)
   # The staged context curriculum (docs/maths.md §9), run in one process when use_stages is True:
   # an ordered tuple of `curriculum_stage(...)` entries (README "Curriculum"). The run ends at
   # the last stage's end or at train.steps, whichever comes first.

@@ -20,7 +20,8 @@ step's row holds the step's own scalars (loss, gradient norms, loss tokens, ...)
   compile_s      (the stage's first step) the first dispatch: tracing and compiling the step
   checkpoint_save_s  (the step after a periodic checkpoint) time the save blocked the loop
   tokens_per_s   the step's loss tokens / step_time_s
-  mfu            tokens_per_s × training FLOPs per token / (train.peak_flops_per_device × devices)
+  mfu            tokens_per_s × training FLOPs per token / (peak × devices); the peak is
+                 train.peak_flops_per_device, or by device kind (metrics.PEAK_BF16_FLOPS); NaN if unknown
   lr             the learning rate the optimizer applied: the schedule it was built with (the
                  stage config's) at its update count (steps so far less skipped updates)
   data/skipped/<source>[/<reason>]  documents and media items the pipeline skipped, cumulative
@@ -377,9 +378,12 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
   stage_end = min(stage.end_step, end)
   size = builder.model_size(cfg)
   flops_per_token = size.flops_per_token
+  device_kind = jax.devices()[0].device_kind
+  peak_flops = metrics_lib.peak_flops_per_device(t.peak_flops_per_device, device_kind)
   if first_built:
     _log(f"model: {size.total_params:,} parameters, {size.active_params:,} active per token; "
          f"{flops_per_token:.3g} training FLOPs per token")
+    _log(metrics_lib.describe_peak(t.peak_flops_per_device, device_kind))
   if staged:
     _log(f"{tag}: building for steps {stage.start_step:,}–{stage.end_step:,} at seq_len "
          f"{cfg.data.seq_len:,} ({flops_per_token:.3g} training FLOPs per token)")
@@ -436,7 +440,7 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
     updates_skipped += int(host.get("skipped_update", 0) > 0)
     host["step_time_s"] = seconds
     host["tokens_per_s"] = host["tokens"] / seconds if seconds > 0 else math.nan
-    host["mfu"] = metrics_lib.mfu(host["tokens_per_s"], flops_per_token, t.peak_flops_per_device,
+    host["mfu"] = metrics_lib.mfu(host["tokens_per_s"], flops_per_token, peak_flops,
                                   jax.device_count())
     host.update(timings)
     result.losses[step] = host["loss"]
@@ -461,12 +465,13 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
     steps_per_s = window["steps"] / elapsed if elapsed > 0 else math.nan
     left = curriculum.remaining_tokens(run_stages, step, end) if staged else (end - step) * tokens_per_step
     eta = left / (steps_per_s * tokens_per_step) if steps_per_s > 0 else math.nan
-    mfu = metrics_lib.mfu(tps, flops_per_token, t.peak_flops_per_device, jax.device_count())
+    mfu = metrics_lib.mfu(tps, flops_per_token, peak_flops, jax.device_count())
+    mfu_text = "n/a" if math.isnan(mfu) else f"{100 * mfu:.2f}%"
     extra = "".join(f" | {k} {host[k]:.3g}" for k in ("moe_max_load", "mla_max_logit", "qk_clip_heads")
                     if k in host)
     where = f" | {tag} | long docs {100 * host['long_doc_share']:.0f}%" if staged else ""
     _log(f"step {step}/{end}{where} | loss {host['loss']:.4f} | grad_norm {host['grad_norm']:.3g} | "
-         f"lr {host['lr']:.3g} | tok/s {tps:,.0f} | MFU {100 * mfu:.2f}% | "
+         f"lr {host['lr']:.3g} | tok/s {tps:,.0f} | MFU {mfu_text} | "
          f"ETA {metrics_lib.format_eta(eta)}{extra}")
     window.update(steps=0, seconds=0.0, tokens=0.0)
 

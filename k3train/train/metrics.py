@@ -58,7 +58,48 @@ def train_flops_per_token(cfg, active_params: int, embedding_params: int, seq_le
   return 3.0 * forward_flops_per_token(cfg, active_params, embedding_params, seq_len)
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: float, num_devices: int) -> float:
+# Dense bf16 peak FLOP/s of one device (datasheet values without structured sparsity), found by
+# a substring of jax's `device_kind`; the first match wins, so the longer names come first.
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("TPU v6 lite", 918e12),      # v6e
+    ("TPU v5 lite", 197e12),      # v5e
+    ("TPU v5", 459e12),           # v5p
+    ("TPU v4", 275e12),
+)
+
+
+def peak_flops_per_device(configured: float, device_kind: str) -> float | None:
+  """The peak MFU divides by: `train.peak_flops_per_device` when > 0, else the table's value for
+  this device kind; None for a kind the table does not know (e.g. CPU): no MFU then."""
+  if configured and configured > 0:
+    return float(configured)
+  for fragment, peak in PEAK_BF16_FLOPS:
+    if fragment.lower() in device_kind.lower():
+      return peak
+  return None
+
+
+def describe_peak(configured: float, device_kind: str) -> str:
+  """One line for the run's log: which peak MFU uses, and where it comes from."""
+  peak = peak_flops_per_device(configured, device_kind)
+  if peak is None:
+    return (f"MFU: not reported (no peak known for device kind {device_kind!r}; set "
+            "train.peak_flops_per_device)")
+  source = "train.peak_flops_per_device" if configured and configured > 0 else "the device-kind table"
+  return f"MFU: against {peak / 1e12:,.0f} TFLOP/s per device ({device_kind!r}, {source})"
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: float | None,
+        num_devices: int) -> float:
+  """Model FLOPs utilisation; NaN without a known peak."""
+  if not peak_flops_per_device or peak_flops_per_device <= 0:
+    return math.nan
   return tokens_per_s * flops_per_token / (peak_flops_per_device * num_devices)
 
 
