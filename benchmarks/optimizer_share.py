@@ -88,14 +88,18 @@ def measure(cfg, steps: int) -> dict:
   """Seconds per call of forward + backward alone and of the run's train step."""
   import jax
   from k3train.train import builder
+  from k3train.model import moe
   from k3train.train.step import loss_and_grads
   run = builder.build(cfg)
   b, t = cfg.train.global_batch_size, cfg.data.seq_len
   batch = run.layout.global_batch(synthetic_batch(b, t, cfg.model.vocab_size))
 
   def fwd_bwd(params, rest, x):
-    with run.layout.activate():      # traced on the run's mesh and rules, as the step is
-      return loss_and_grads(run.graphdef, params, rest, x, cfg.train.microbatches)
+    # Traced on the run's mesh and rules and with the step's training routing (QB rounds), as the
+    # step's own forward + backward is.
+    with run.layout.activate(), moe.qb_training_routing():
+      return loss_and_grads(run.graphdef, params, rest, x, cfg.train.microbatches,
+                            cfg.train.loss_chunk_tokens)
 
   grad_only = jax.jit(fwd_bwd)
   jax.block_until_ready(grad_only(run.state.params, run.state.rest, batch))
