@@ -386,8 +386,11 @@ def main(argv=None) -> int:
   except ValueError as e:
     cli.error(PROG, str(e))
     return cli.USAGE_ERROR
+  # Step times compare only under the same runtime settings: record them with every row.
   env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+         "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")}
   rows = []
   for name, pairs in variants:
     cfg = apply_overrides(args.config, pairs)
