@@ -1,6 +1,6 @@
 """Quantile Balancing's bisection, unrolled or as a loop: device time of one QB call.
 
-  python benchmarks/qb_bisection.py [--tokens=8192] [--experts=64,896] [--top_k=8,16]
+  python benchmarks/qb_bisection.py [--tokens=8192] [--experts=64,896] [--top_k=8,16] [--iters=200]
 
 One QB call (`k3train.model.moe.quantile_balancing_bias`: the (k+1)-th largest biased score per
 token, then the per-expert quantile of the margins by 32 bisection rounds) on random sigmoid
@@ -23,16 +23,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import _flags  # noqa: E402
 from k3train.model.moe import quantile_balancing_bias  # noqa: E402
 
+PROG = "python benchmarks/qb_bisection.py"
 SETTINGS = (True, 8, 4, 1)
-
-
-def _arg(name: str, default: str) -> str:
-  for a in sys.argv[1:]:
-    if a.startswith(f"--{name}="):
-      return a.split("=", 1)[1]
-  return default
+FLAGS = (
+    _flags.Flag("tokens", "int", 8192, "tokens of the score matrix"),
+    _flags.Flag("experts", "list", ["64", "896"], "experts per case"),
+    _flags.Flag("top_k", "list", ["8", "16"], "top-k per case (as many as --experts)"),
+    _flags.Flag("iters", "int", 200, "timed calls per setting"),
+)
 
 
 def measure(tokens: int, experts: int, top_k: int, unroll, iters: int) -> dict:
@@ -56,14 +57,17 @@ def measure(tokens: int, experts: int, top_k: int, unroll, iters: int) -> dict:
           "bias": np.asarray(out)}
 
 
-def main() -> int:
-  tokens = int(_arg("tokens", "8192"))
-  experts = [int(x) for x in _arg("experts", "64,896").split(",")]
-  top_ks = [int(x) for x in _arg("top_k", "8,16").split(",")]
-  iters = int(_arg("iters", "200"))
+def main(argv=None) -> int:
+  args = _flags.parse(argv, PROG, FLAGS)
+  if args.exit_code is not None:
+    return args.exit_code
+  f = args.flags
+  tokens, iters = f.tokens, f.iters
+  experts = [int(x) for x in f.experts]
+  top_ks = [int(x) for x in f.top_k]
   if len(experts) != len(top_ks):
-    print("--experts and --top_k need the same number of entries", file=sys.stderr)
-    return 2
+    print(f"{PROG}: --experts and --top_k need the same number of entries", file=sys.stderr)
+    return _flags.USAGE_ERROR
   env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
          "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
   rows = []
