@@ -58,12 +58,11 @@ class DecodeCache:
 
 def _layer(layer: DecoderLayer, stream, layer_index, mixer_fn, token_mask_bt):
   """DecoderLayer.__call__'s wiring with the mixer call replaced by `mixer_fn(x) -> (y, cache)`."""
-  blocks, num_blocks, p = stream
-  h = layer.attn_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
+  h = layer.attn_res(stream)
   blocks, num_blocks, p = attnres.maybe_start_block(stream, layer_index, layer.block_size)
   y, cache = mixer_fn(layer.attn_norm(h))
   p = p + y
-  h = layer.mlp_norm(layer.mlp_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1))
+  h = layer.mlp_norm(layer.mlp_res((blocks, num_blocks, p)))
   p = p + (layer.ffn(h) if layer.ffn_kind == "dense" else layer.ffn(h, token_mask_bt))
   return (blocks, num_blocks, p), cache
 
@@ -129,8 +128,7 @@ def _run(model: K3Model, stream, layer_fn, caches=None):
 
 
 def _head(model: K3Model, stream) -> jax.Array:
-  blocks, num_blocks, p = stream
-  h = model.out_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
+  h = model.out_res(stream)
   return model.lm_head(model.final_norm(h)).astype(jnp.float32)
 
 
@@ -154,7 +152,7 @@ def prefill(model: K3Model, tokens_bt: jax.Array, segment_ids_bt: jax.Array | No
     segment_ids_bt = jnp.ones((b, t), jnp.int32)
   segment_ids_bt = segment_ids_bt.astype(jnp.int32)
   token_mask_bt = (segment_ids_bt > 0).astype(jnp.float32)
-  stream = attnres.init_stream(model.embed(tokens_bt), model.max_sources)
+  stream = attnres.init_stream(model.embed(tokens_bt), model.max_blocks)
   stream, caches = _run(model, stream, lambda layer, s, i, _: _prefill_layer(
       layer, s, i, segment_ids_bt, token_mask_bt))
   caches = jax.tree.map(lambda c: _pad_mla(c, t, max_len), caches,
@@ -178,7 +176,7 @@ def decode_step(model: K3Model, tokens_b: jax.Array, cache: DecodeCache,
   ctx = {"reset": seg_b != cache.last_segment, "pos": pos,
          "allowed": (slots[None, :] <= pos) & (seg == seg_b[:, None]),
          "token_mask": (seg_b > 0).astype(jnp.float32)[:, None]}
-  stream = attnres.init_stream(model.embed(tokens_b[:, None]), model.max_sources)
+  stream = attnres.init_stream(model.embed(tokens_b[:, None]), model.max_blocks)
   stream, layers = _run(model, stream,
                         lambda layer, s, i, c: _decode_layer(layer, s, i, c, ctx), cache.layers)
   new = DecodeCache(layers, seg, pos + 1, seg_b, cache.max_len)

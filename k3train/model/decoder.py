@@ -59,11 +59,10 @@ class DecoderLayer(nnx.Module):
     self.ffn_kind = ffn
 
   def __call__(self, stream, layer_index, segment_ids_bt, token_mask_bt):
-    blocks, num_blocks, p = stream
-    h = self.attn_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
+    h = self.attn_res(stream)
     blocks, num_blocks, p = attnres.maybe_start_block(stream, layer_index, self.block_size)
     p = p + self.mixer(self.attn_norm(h), segment_ids_bt)
-    h = self.mlp_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
+    h = self.mlp_res((blocks, num_blocks, p))
     h = self.mlp_norm(h)
     p = p + (self.ffn(h) if self.ffn_kind == "dense" else self.ffn(h, token_mask_bt))
     p = constrain(p, ax.BATCH, ax.SEQ, ax.EMBED)
@@ -93,7 +92,7 @@ class K3Model(nnx.Module):
     self.schedule = sched = config_lib.layer_schedule(m)
     self.num_layers = m.num_layers
     self.remat_policy = m.remat_policy
-    self.max_sources = attnres.max_sources(m.num_layers, m.attn_res.block_size)
+    self.max_blocks = attnres.max_blocks(m.num_layers, m.attn_res.block_size)
     dtype, param_dtype = layers.dtype_from_name(m.dtype), layers.dtype_from_name(m.param_dtype)
     self.embed = layers.Embed(m.vocab_size, m.d_model, std=m.init_std, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
@@ -177,7 +176,7 @@ class K3Model(nnx.Module):
       tokens_bnd = self.vision(vision["vision_patches"], vision["vision_grids"], vision["vision_grid_ids"])
       x = constrain(vision_lib.splice(x, tokens_bt, tokens_bnd, self.placeholder_id),
                     ax.BATCH, ax.SEQ, ax.EMBED)
-    stream = attnres.init_stream(x, self.max_sources)
+    stream = attnres.init_stream(x, self.max_blocks)
     for i, layer in enumerate(self.prefix):
       stream = self._run_layer(layer, stream, i, segment_ids_bt, token_mask_bt)
     if self.stack is not None:
@@ -185,8 +184,7 @@ class K3Model(nnx.Module):
     for i, layer in enumerate(self.suffix):
       stream = self._run_layer(layer, stream, self.schedule.suffix_start + i, segment_ids_bt,
                                token_mask_bt)
-    blocks, num_blocks, p = stream
-    return self.out_res(attnres.with_partial(blocks, num_blocks, p), num_blocks + 1)
+    return self.out_res(stream)
 
   def mtp_hidden(self, h_btd, next_tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
     """The MTP module's normalised output [B, T, d] at every position i (its `lm_head` logits

@@ -15,11 +15,12 @@
                                SiLU: the conv (shifted, document-masked sums) is not recomputed;
                attention_residuals
                                the attention kernel's output and log-sum-exp (saved by its
-                               custom VJP): the attention forward kernel is not recomputed.
-             Everything else (norms, gates, the AttnRes mixes, the KDA kernel's forward) is
-             recomputed as under `full`. `k3train/tools/plan` plans the kept bytes per layer.
-             (Keeping the AttnRes mix outputs as well was measured slower on the H200: XLA
-             then fuses the recomputed source norms into a slower reduction.)
+                               custom VJP): the attention forward kernel is not recomputed;
+               attnres_stats   each AttnRes site's mixing weights, inverse RMS and scores
+                               [N + 1, B, T] fp32 (saved by its VJP): the backward of a mix
+                               needs no forward pass over the sources.
+             Everything else (norms, gates, the AttnRes mix outputs, the KDA kernel's forward)
+             is recomputed as under `full`. `k3train/tools/plan` plans the kept bytes per layer.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ ROUTING = "moe_routing"
 EXPERT_MLP = "moe_expert_mlp"
 KDA_CONV = "kda_conv"
 ATTENTION = attention_vjp.RESIDUAL_NAME
-SELECTIVE_NAMES = (ROUTING, EXPERT_MLP, KDA_CONV, ATTENTION)
+ATTNRES_STATS = "attnres_stats"
+SELECTIVE_NAMES = (ROUTING, EXPERT_MLP, KDA_CONV, ATTENTION, ATTNRES_STATS)
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:

@@ -17,7 +17,7 @@ kernel layouts of `k3train/model` (heads and experts are real axes):
 A leading super-block axis (paths through "stack") is one more batch axis: each layer's blocks
 are orthogonalised separately. `muon_dimension_numbers` expresses all of this as
 `optax.contrib.MuonDimensionNumbers`: every axis that is neither the reduction nor the output
-axis is a batch axis that optax vmaps over.
+axis is a batch axis, and each index of the batch axes is one block.
 
 kv_b split. Dimension numbers cannot cut one axis into two blocks, so `make_muon_optimizer`
 wraps the Muon/AdamW partition in `split_last_axis`, which hands the inner optimizer kv_b's
@@ -28,16 +28,21 @@ each block, and nope ≠ v needs no special case. The sizes come from the layer'
 (v = o_proj's V axis, nope = the rest) and are cross-checked against q_b_proj and kv_a_proj. The
 Muon momentum of kv_b is stored split, under `.block0` / `.block1` in the optimizer state.
 
-Optimizer. Muon leaves go through `optax.contrib.muon` (Nesterov momentum, 5 quintic NS steps
-with (3.4445, −4.7750, 2.0315), `consistent_rms` = 0.2·sqrt(max(fan_in, fan_out)) per block,
-decoupled weight decay × lr). The AdamW leaves do NOT use muon's built-in Adam, for two reasons
-checked in optax 0.2.8: its `adam_weight_decay` is applied without a mask to every non-Muon leaf
-(it would decay norm gains, A_log, dt_bias, conv kernels and AttnRes vectors), and it passes
-Muon's `nesterov=True` on to Adam (NAdam, not Moonlight's AdamW). So an outer `optax.partition`
-sends the Muon leaves to `optax.contrib.muon` (whose own Adam branch then sees no leaves) and the
-rest to `optax.adamw(b1, b2, eps, weight_decay, mask)`. Weight decay: every Muon matrix;
-of the AdamW group only the matrices embedding, lm_head and router weight (as the AdamW chain in
-`optimizer.py` does); never norm gains, A_log, dt_bias, conv kernels or AttnRes vectors.
+Optimizer. An outer `optax.partition` sends the Muon leaves to `muon_matrices` and the rest to
+`optax.adamw(b1, b2, eps, weight_decay, mask)`. The Muon chain is `scale_by_batched_muon`
+(Nesterov momentum as an EMA with bias correction, then 5 quintic NS steps with
+(3.4445, −4.7750, 2.0315) and `rms_scale`·sqrt(max(fan_in, fan_out)) per block), decoupled
+weight decay, and the learning rate; its updates equal `optax.contrib.muon(..., nesterov=True,
+consistent_rms=rms_scale)` when NS runs in float32. Newton–Schulz is batched by block shape:
+every block of one (m, n) across all Muon leaves (heads, experts, stacked layers, different
+parameters) is stacked into one [batch, m, n] array and orthogonalised by one chain of batched
+matmuls (`k3train/optim/newton_schulz.py`), with bfloat16 operands and float32 accumulation by
+default (`ns_dtype="float32"`: the fp32 iteration). One chain per shape instead of one small
+matmul per block is what keeps the accelerator busy. The AdamW leaves do not use optax Muon's
+built-in Adam, which decays every non-Muon leaf without a mask and turns Nesterov on (NAdam, not
+Moonlight's AdamW). Weight decay: every Muon matrix; of the AdamW group only the matrices
+embedding, lm_head and router weight (as the AdamW chain in `optimizer.py` does); never norm
+gains, A_log, dt_bias, conv kernels or AttnRes vectors.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +60,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from optax.contrib import MuonDimensionNumbers
 
+from k3train.optim import newton_schulz
+from k3train.optim.newton_schulz import NS_COEFFS, NS_STEPS
 from k3train.parallel import axes
 from k3train.tree_paths import path_names
 
 GROUPS = ("muon_per_head", "muon_per_expert", "muon_matrix", "adamw")
-NS_COEFFS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
 
 # Linear modules whose kernel is [in, H, head_dim]: reduction = in, output = head_dim, H batch.
 PER_HEAD_IN_OUT = frozenset({"q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "q_b_proj",
@@ -380,33 +385,96 @@ def _as_tuple(axis) -> tuple[int, ...]:
 # The optimizer
 
 
+class BatchedMuonState(NamedTuple):
+  """Muon's momentum (an EMA of the gradients, in the parameters' dtype) and its step count."""
+  count: jax.Array      # int32 scalar: updates applied so far
+  mu: Any               # the momentum tree (Muon leaves only)
+
+
+def _nesterov_momentum(grads, mu, count, beta: float, nesterov: bool):
+  """(new EMA momentum, bias-corrected Nesterov direction) at step `count` (1-based).
+
+  mu_t = β mu_{t−1} + (1 − β) g_t; the direction is β·mu_t/(1 − β^{t+1}) + (1 − β)·g_t/(1 − β^t),
+  or mu_t/(1 − β^t) without Nesterov.
+  """
+  mu = jax.tree.map(lambda g, m: (1 - beta) * g + beta * m, grads, mu)
+  correct_now = 1 - beta ** count
+  if not nesterov:
+    return mu, jax.tree.map(lambda m: m / correct_now.astype(m.dtype), mu)
+  correct_next = 1 - beta ** optax.safe_increment(count)
+  direction = jax.tree.map(
+      lambda m, g: beta * (m / correct_next.astype(m.dtype)) + (1 - beta) * (g / correct_now.astype(g.dtype)),
+      mu, grads)
+  return mu, direction
+
+
+def scale_by_batched_muon(weight_dimension_numbers, *, beta: float = 0.95,
+                          ns_coeffs: Sequence[float] = NS_COEFFS, ns_steps: int = NS_STEPS,
+                          eps: float = newton_schulz.NS_EPS, rms_scale: float = 0.2,
+                          ns_dtype: str = "bfloat16", nesterov: bool = True
+                          ) -> optax.GradientTransformation:
+  """Nesterov momentum, then Newton–Schulz of every block, scaled to RMS ≈ `rms_scale`.
+
+  `weight_dimension_numbers(updates)` gives a `MuonDimensionNumbers` per leaf (as
+  `muon_dimension_numbers` does). All blocks of one shape, across every leaf, are orthogonalised
+  by one batched matmul chain (`newton_schulz.orthogonalize_leaves`), with `ns_dtype` operands
+  and float32 accumulation. Each block is multiplied by rms_scale · sqrt(max(fan_in, fan_out)).
+  """
+  compute_dtype = newton_schulz.compute_dtype_of(ns_dtype)
+  is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
+
+  def init_fn(params):
+    return BatchedMuonState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(jnp.zeros_like, params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    count = optax.safe_increment(state.count)
+    mu, direction = _nesterov_momentum(updates, state.mu, count, beta, nesterov)
+    leaves, treedef = jax.tree.flatten(direction)
+    dims = jax.tree.leaves(weight_dimension_numbers(updates), is_leaf=is_dims)
+    if len(dims) != len(leaves) or not all(is_dims(d) for d in dims):
+      raise ValueError("every Muon leaf needs MuonDimensionNumbers")
+    out = newton_schulz.orthogonalize_leaves(
+        leaves, dims, coeffs=ns_coeffs, steps=ns_steps, eps=eps, compute_dtype=compute_dtype,
+        rms_scale=rms_scale)
+    mu = jax.tree.map(lambda new, old: new.astype(old.dtype), mu, state.mu)
+    return jax.tree.unflatten(treedef, out), BatchedMuonState(count=count, mu=mu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def muon_matrices(learning_rate: float | optax.Schedule, *, weight_decay: float, momentum: float,
+                  rms_scale: float, ns_dtype: str = "bfloat16") -> optax.GradientTransformation:
+  """The Muon leaves' chain: batched Muon, decoupled weight decay (masked), −learning rate."""
+  return optax.chain(
+      scale_by_batched_muon(muon_dimension_numbers, beta=momentum, rms_scale=rms_scale,
+                            ns_dtype=ns_dtype),
+      optax.add_decayed_weights(weight_decay, _decay_mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+
 def make_muon_optimizer(*, learning_rate: float | optax.Schedule, params_like, weight_decay: float = 0.1,
                         momentum: float = 0.95, rms_scale: float = 0.2, adam_b1: float = 0.9,
                         adam_b2: float = 0.95, adam_eps: float = 1e-8,
                         grad_clip_norm: float | None = None,
-                        gather_matrices: bool = True) -> optax.GradientTransformation:
+                        gather_matrices: bool = True,
+                        ns_dtype: str = "bfloat16") -> optax.GradientTransformation:
   """Optional global-norm clipping, then Muon (per-head / per-expert / matrix) + AdamW.
 
   `params_like` is the parameter tree (arrays or ShapeDtypeStructs, e.g. from nnx.eval_shape);
   it fixes the kv_b block sizes and is checked for parameters the partition does not know. The
   groups themselves are recomputed from paths on every call, so the optimizer works on any tree
   with the same paths (nnx.State of nnx.Param or plain dicts). `grad_clip_norm` None or 0: off.
+  `ns_dtype` is the Newton–Schulz matmul operand dtype ("bfloat16" | "float32"; float32
+  accumulation either way).
   """
   unknown = fallback_paths(params_like)
   if unknown:
     warnings.warn(f"Muon partition: {len(unknown)} parameters with unrecognised names got the generic "
                   f"rule (2-D → whole-matrix Muon, otherwise AdamW without decay): {unknown[:8]}")
-  muon = optax.contrib.muon(
-      learning_rate,
-      ns_coeffs=NS_COEFFS,
-      ns_steps=NS_STEPS,
-      beta=momentum,
-      weight_decay=weight_decay,
-      weight_decay_mask=_decay_mask,
-      nesterov=True,
-      muon_weight_dimension_numbers=muon_dimension_numbers,
-      consistent_rms=rms_scale,
-  )
+  muon = muon_matrices(learning_rate, weight_decay=weight_decay, momentum=momentum,
+                       rms_scale=rms_scale, ns_dtype=ns_dtype)
   if gather_matrices:
     muon = gather_for_newton_schulz(muon, params_like)
   adamw = optax.adamw(learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps,

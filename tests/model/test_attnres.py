@@ -1,7 +1,9 @@
-"""Block Attention Residuals (docs/maths.md §3): `attn_res_mix` invariants (§3.5) and the K3 wiring.
+"""Block Attention Residuals (docs/maths.md §3): `attn_res_mix` invariants (§3.5), the fast
+`mix_stream` (values and gradients against fp64 references) and the K3 wiring.
 
-`attn_res_mix` computes in fp32 whatever the input dtype, so comparisons with the numpy fp64
-reference use rtol = atol = 2e-6 (O(1) values, ≤ 9 sources). "Exact" below means bitwise.
+Both functions compute in fp32 whatever the input dtype, so comparisons with the fp64 references
+use rtol = atol = 2e-6 for values and 1e-5 for gradients (O(1) values, ≤ 9 sources). "Exact"
+below means bitwise.
 """
 
 from __future__ import annotations
@@ -163,8 +165,87 @@ def test_mix_module_zero_init_and_matches_function():
   site = attnres.AttnResMix(D, eps=EPS, rngs=nnx.Rngs(params=jax.random.key(0, impl="rbg")))
   np.testing.assert_array_equal(np.asarray(site.query[...]), np.zeros(D))
   np.testing.assert_array_equal(np.asarray(site.norm_scale[...]), np.ones(D))
-  out = np.asarray(site(jnp.asarray(SRC), 4))
+  out = np.asarray(site((jnp.asarray(SRC[:-1]), jnp.int32(3), jnp.asarray(SRC[3]))))
   np.testing.assert_allclose(out, SRC[:4].astype(np.float64).mean(0), rtol=TOL, atol=TOL)
+
+
+# ----------------------------------------------------------------------------- mix_stream
+
+
+BLOCKS, PARTIAL = SRC[:N_MAX - 1], SRC[N_MAX - 1]
+COT = rand((B, T, D), seed=9)
+
+
+def _mix64(blocks, num_blocks, p, query, gain, eps=EPS):
+  """The maths of §3.1 in fp64 jnp (under jax.enable_x64), differentiated by autodiff."""
+  sources = jnp.concatenate([blocks[:num_blocks], p[None]])
+  keys = sources * jax.lax.rsqrt(jnp.mean(sources * sources, axis=-1, keepdims=True) + eps)
+  probs = jax.nn.softmax(jnp.einsum("nbtd,d->nbt", keys, gain * query), axis=0)
+  return jnp.einsum("nbt,nbtd->btd", probs, sources)
+
+
+@pytest.mark.parametrize("num_blocks", [0, 1, 2, 4])
+def test_mix_stream_value_and_gradients_match_fp64(num_blocks):
+  args = (BLOCKS, PARTIAL, QUERY, GAIN)
+  fast = jax.jit(jax.value_and_grad(
+      lambda b, p, q, g: jnp.sum(attnres.mix_stream(b, num_blocks, p, q, g, EPS) * COT),
+      argnums=(0, 1, 2, 3)))
+  value, grads = fast(*map(jnp.asarray, args))
+  out = attnres.mix_stream(*map(jnp.asarray, (BLOCKS, num_blocks, PARTIAL, QUERY, GAIN)), EPS)
+  np.testing.assert_allclose(out, ref_mix(np.concatenate([BLOCKS[:num_blocks], PARTIAL[None]]),
+                                          num_blocks + 1, QUERY, GAIN), rtol=TOL, atol=TOL)
+  with jax.enable_x64():
+    ref_value, ref_grads = jax.value_and_grad(
+        lambda b, p, q, g: jnp.sum(_mix64(b, num_blocks, p, q, g) * COT), argnums=(0, 1, 2, 3))(
+            *(jnp.asarray(a, jnp.float64) for a in args))
+    ref_value, ref_grads = float(ref_value), [np.asarray(x) for x in ref_grads]
+  np.testing.assert_allclose(float(value), ref_value, rtol=1e-5, atol=1e-5)
+  for name, got, want in zip(("blocks", "partial", "query", "gain"), grads, ref_grads):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=name)
+  # Slots at or past num_blocks get no gradient; the valid ones and the pseudo-query do.
+  np.testing.assert_array_equal(np.asarray(grads[0])[num_blocks:], 0.0)
+  if num_blocks:
+    assert np.abs(np.asarray(grads[0])[:num_blocks]).min(axis=-1).max() > 1e-3
+    assert np.abs(np.asarray(grads[2])).max() > 1e-2
+
+
+def test_mix_stream_equals_reference_path_in_bf16():
+  """bf16 stream: same output dtype as the reference buffer path, same values and gradients
+  (both compute in fp32; the gradients round to bf16 once, so they agree to a bf16 ulp)."""
+  bf = lambda x: jnp.asarray(x).astype(jnp.bfloat16)
+  blocks, p, q, g = bf(BLOCKS), bf(PARTIAL), jnp.asarray(QUERY), jnp.asarray(GAIN)
+
+  def loss(fn):
+    return jax.jit(jax.grad(lambda b, p, q, g: jnp.sum(fn(b, p, q, g).astype(jnp.float32) * COT),
+                            argnums=(0, 1, 2, 3)))
+
+  fast = loss(lambda b, p, q, g: attnres.mix_stream(b, 3, p, q, g, EPS))
+  ref = loss(lambda b, p, q, g: attnres.attn_res_mix(attnres.with_partial(b, 3, p), 4, q, g, EPS))
+  out = attnres.mix_stream(blocks, 3, p, q, g, EPS)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(
+      np.asarray(out, np.float32),
+      np.asarray(attnres.attn_res_mix(attnres.with_partial(blocks, 3, p), 4, q, g, EPS), np.float32),
+      rtol=1e-2, atol=1e-2)
+  for got, want in zip(fast(blocks, p, q, g), ref(blocks, p, q, g)):
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_selective_remat_keeps_the_statistics_not_the_sources():
+  """Under the selective policy a mix's backward reads saved [N + 1, B, T] statistics: the
+  residuals saved by jax.checkpoint are the three statistics, no source-sized array."""
+  from jax._src.ad_checkpoint import saved_residuals
+  from k3train.model import remat
+
+  def site(blocks, p, q, g):
+    return attnres.mix_stream(blocks, 2, jnp.sin(p), q, g, EPS)
+
+  fn = jax.checkpoint(site, policy=remat.policy("selective"))
+  saved = saved_residuals(fn, *map(jnp.asarray, (BLOCKS, PARTIAL, QUERY, GAIN)))
+  shapes = sorted(tuple(aval.shape) for aval, why in saved if "argument" not in why)
+  assert shapes == [(N_MAX, B, T)] * 3, saved
 
 
 # ----------------------------------------------------------------------------- K3 schedule
@@ -182,25 +263,27 @@ def _layer_step(stream, layer_index, attn_out, mlp_out):
   """The wiring order of DecoderLayer.__call__, with the sublayer outputs given."""
   blocks, num_blocks, p = stream
   attn_sources, attn_n = attnres.with_partial(blocks, num_blocks, p), num_blocks + 1
+  attn_mix = attnres.mix_stream(blocks, num_blocks, p, QUERY[:4], GAIN[:4], EPS)
   blocks, num_blocks, p = attnres.maybe_start_block(stream, layer_index, 12)
   p = p + attn_out
   mlp_sources, mlp_n = attnres.with_partial(blocks, num_blocks, p), num_blocks + 1
   p = p + mlp_out
-  return (blocks, num_blocks, p), attn_sources, attn_n, mlp_sources, mlp_n
+  return (blocks, num_blocks, p), attn_sources, attn_n, mlp_sources, mlp_n, attn_mix
 
 
 def test_k3_schedule_source_counts_and_contents():
   """93 layers, block size 12: the buffer wiring reproduces the list-based rule of §3.2."""
   num_layers, block, d = 93, 12, 4
   n_max = attnres.max_sources(num_layers, block)
+  assert attnres.max_blocks(num_layers, block) == n_max - 1 == 8
   rng = np.random.default_rng(7)
   emb = rng.standard_normal((1, 1, d)).astype(np.float32)
   outs = rng.integers(-8, 8, (num_layers, 2, 1, 1, d)).astype(np.float32)  # exact sums in fp32
-  stream = attnres.init_stream(jnp.asarray(emb), n_max)
+  stream = attnres.init_stream(jnp.asarray(emb), attnres.max_blocks(num_layers, block))
   ref_blocks, ref_p = [], emb.astype(np.float64)
   for layer in range(num_layers):
-    stream, a_src, a_n, m_src, m_n = _layer_step(stream, jnp.int32(layer), outs[layer, 0],
-                                                 outs[layer, 1])
+    stream, a_src, a_n, m_src, m_n, a_mix = _layer_step(stream, jnp.int32(layer), outs[layer, 0],
+                                                        outs[layer, 1])
     # reference: h_attn over blocks + [p] (layer 0: p alone), then maybe a block start
     ref_attn = ref_blocks + [ref_p]
     if layer % block == 0:
@@ -214,6 +297,9 @@ def test_k3_schedule_source_counts_and_contents():
     assert int(m_n) == len(ref_mlp) == layer // block + 2, layer
     np.testing.assert_array_equal(np.asarray(a_src)[:int(a_n)], np.stack(ref_attn))
     np.testing.assert_array_equal(np.asarray(m_src)[:int(m_n)], np.stack(ref_mlp))
+    # the stream's mix is the reference mix over the listed sources
+    np.testing.assert_allclose(np.asarray(a_mix), ref_mix(np.stack(ref_attn), len(ref_attn),
+                                                          QUERY[:4], GAIN[:4]), rtol=TOL, atol=TOL)
     if layer == 0:   # one source: the mix is the identity on the embedding
       h0 = mix(a_src, a_n, rand((d,), 8), np.ones(d, np.float32))
       np.testing.assert_array_equal(h0, emb)
