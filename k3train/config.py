@@ -32,6 +32,7 @@ REMAT_POLICIES = ("none", "full", "selective", "dots_saveable", "dots_with_no_ba
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
+MUON_NS_DTYPES = ("bfloat16", "float32")
 PARALLEL_RULES = ("default", "long_context", "full")   # k3train/parallel/rules.py RECIPES
 EXPERT_EXCHANGES = ("auto", "all_to_all", "ragged")
 KDA_BACKENDS = kda_op.BACKENDS
@@ -213,6 +214,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(o.grad_clip_norm >= 0, "optim.grad_clip_norm", "must be >= 0 (0 turns clipping off)")
   _require(0 <= o.adam_b1 < 1 and 0 <= o.adam_b2 < 1, "optim.adam_b1/adam_b2", "must lie in [0, 1)")
   _require(0 <= o.muon_momentum < 1, "optim.muon_momentum", "must lie in [0, 1)")
+  _require(o.muon_ns_dtype in MUON_NS_DTYPES, "optim.muon_ns_dtype",
+           f"must be one of {MUON_NS_DTYPES}, got {o.muon_ns_dtype!r}")
   _require(o.qk_clip_tau > 0, "optim.qk_clip_tau", "must be > 0")
   _require(o.loss_spike_factor == 0 or o.loss_spike_factor > 1, "optim.loss_spike_factor",
            f"must be 0 (off) or > 1, got {o.loss_spike_factor}")

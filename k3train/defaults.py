@@ -164,6 +164,7 @@ def k3_full() -> ml_collections.ConfigDict:
   o.adam_eps = 1e-8
   o.muon_momentum = 0.95
   o.muon_update_rms = 0.2
+  o.muon_ns_dtype = "bfloat16"     # Newton–Schulz matmul operands: bfloat16 | float32 (fp32 accumulation)
   o.qk_clip = True                 # rescale MLA heads whose max logit exceeds qk_clip_tau
   o.qk_clip_tau = 100.0
   o.loss_spike_factor = 0.0        # > 0: skip an update whose loss exceeds factor × running mean

@@ -402,9 +402,9 @@ def _nesterov_momentum(grads, mu, count, beta: float, nesterov: bool):
   if not nesterov:
     return mu, jax.tree.map(lambda m: m / correct_now.astype(m.dtype), mu)
   correct_next = 1 - beta ** optax.safe_increment(count)
-  direction = jax.tree.map(
-      lambda m, g: beta * (m / correct_next.astype(m.dtype)) + (1 - beta) * (g / correct_now.astype(g.dtype)),
-      mu, grads)
+  nesterov_fn = lambda m, g: (beta * (m / correct_next.astype(m.dtype))
+                              + (1 - beta) * (g / correct_now.astype(g.dtype)))
+  direction = jax.tree.map(nesterov_fn, mu, grads)
   return mu, direction
 
 

@@ -75,7 +75,7 @@ def _base_optimizer(cfg: ml_collections.ConfigDict, params_like) -> optax.Gradie
     return make_muon_optimizer(
         learning_rate=schedule, params_like=params_like, weight_decay=o.weight_decay,
         momentum=o.muon_momentum, rms_scale=o.muon_update_rms, adam_b1=o.adam_b1, adam_b2=o.adam_b2,
-        adam_eps=o.adam_eps, grad_clip_norm=o.grad_clip_norm)
+        adam_eps=o.adam_eps, grad_clip_norm=o.grad_clip_norm, ns_dtype=o.muon_ns_dtype)
   clip = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
   return optax.chain(
       *clip,

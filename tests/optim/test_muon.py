@@ -245,9 +245,10 @@ def test_bf16_newton_schulz_agrees_with_fp32():
 def test_matches_optax_contrib_muon_over_steps():
   """With fp32 Newton–Schulz the Muon chain equals optax.contrib.muon (Nesterov, consistent RMS,
   masked decoupled decay, scheduled lr) over several steps, to float32 round-off."""
-  params = gaussian_like({"mixer": {"q_proj": {"kernel": jnp.zeros((48, 3, 16))},
-                                    "q_a_proj": {"kernel": jnp.zeros((64, 24))}},
-                          "stack": {"l": {"ffn": {"experts": {"up": jnp.zeros((2, 4, 24, 40))}}}}}, 12)
+  shapes = {"mixer": {"q_proj": {"kernel": jnp.zeros((48, 3, 16))},
+                      "q_a_proj": {"kernel": jnp.zeros((64, 24))}},
+            "stack": {"l": {"ffn": {"experts": {"up": jnp.zeros((2, 4, 24, 40))}}}}}
+  params = gaussian_like(shapes, 12)
   lr = optax.linear_schedule(1e-2, 1e-3, 10)
   ours = muon.muon_matrices(lr, weight_decay=0.1, momentum=BETA, rms_scale=RMS, ns_dtype="float32")
   ref = optax.contrib.muon(lr, beta=BETA, weight_decay=0.1, weight_decay_mask=muon._decay_mask,

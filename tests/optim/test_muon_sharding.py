@@ -1,8 +1,10 @@
 """Sharded Newton–Schulz stays local: the compiled Muon update of k3_tiny on fsdp=8 has no
 all-reduce (no partial Gram matrices) and at most three all-gathers per Muon matrix (gradient,
-momentum, parameter), and gives the same update as the unconstrained version (fp32, 1e-4 of the
-largest update; measured 2e-6). Without `gather_for_newton_schulz` the same program all-reduces inside
-Newton–Schulz, which is what this guards against.
+momentum, parameter), and gives the same update as the unconstrained version (Newton–Schulz in
+fp32, 1e-4 of the largest update; measured 2e-6). Without `gather_for_newton_schulz` the same
+program all-reduces partial Gram matrices inside Newton–Schulz (21 all-reduces on k3_tiny: one
+per step of each batched chain whose blocks are split, with the norms fused into some), which is
+what this guards against.
 
 Runs `muon_sharding_hlo.py` in a subprocess with 8 host-platform devices.
 """
@@ -29,5 +31,5 @@ def test_newton_schulz_collectives_are_bounded():
   assert gathered["gather"] and not plain["gather"]
   assert gathered["all-reduce"] == 0, gathered
   assert gathered["all-gather"] <= 3 * gathered["muon_matrices"], gathered
-  assert plain["all-reduce"] >= gathered["muon_matrices"], plain   # the regression it guards
+  assert plain["all-reduce"] > 0, plain   # the regression it guards
   assert agree["update_max_abs_diff"] <= 1e-4 * agree["update_scale"], agree

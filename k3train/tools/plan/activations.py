@@ -7,10 +7,12 @@ residuals are what autodiff keeps without remat; the "dot" residuals are the mat
 (dot_general) outputs, the only ones `dots_saveable` keeps (`ragged_dot`, i.e. the expert
 grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by piece:
 
-  AttnRes mix (×2 per layer)  the N_max = ceil(L/12) + 1 source slots (a new buffer per site,
-                              model.dtype) and per-source fp32 statistics; the fp32 copy and
-                              the normalised keys (2 · N_max · d · 4 bytes per token) are
-                              assumed fused into their consumers, so they count as transient
+  AttnRes mix (×2 per layer)  k3train/model/attnres.py `mix_stream`: the sources are the
+                              stream's block buffer [N_max − 1, n, d] (model.dtype; a new
+                              version per layer, half of it counted per site) and the partial
+                              sum; the VJP keeps three [N_max, n] fp32 statistics (remat
+                              `selective` keeps them by name). The fp32 source copies of the
+                              backward (2 · N_max · d · 4 bytes per token) are transient
   RMSNorm (×2)                fp32 input + low-precision output
   KDA                         q/k/v/g/f/b projections, conv and SiLU outputs, fp32 L2-normed
                               q/k, gates, chunk states [H, K, V] fp32 per 64-token chunk,
@@ -53,8 +55,8 @@ grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by 
 Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 layers, is what
 `jax.checkpoint` wraps; each unscanned prefix/suffix layer is wrapped on its own):
 
-  full            saved: the scan carry per super-block (the AttnRes source buffer
-                  [N_max, n, d] plus the partial sum) and the same input stream per unscanned
+  full            saved: the scan carry per super-block (the AttnRes block buffer
+                  [N_max − 1, n, d] plus the partial sum) and the same input stream per unscanned
                   layer; backward working set: one super-block's residuals (4 layers) or one
                   unscanned layer's, whichever is larger, + its buffers.
   dots_saveable   as full, plus every dot output of every super-block; the working set is the
@@ -62,7 +64,8 @@ Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 la
                   planned the same way: K3's projections have no batch dims).
   selective       as dots_saveable, plus the values k3train/model/remat.py keeps by name: the
                   top-k expert indices (int32), the expert gate/up gmm outputs, the KDA conv
-                  outputs of q, k, v and the attention output with its fp32 log-sum-exp.
+                  outputs of q, k, v, the attention output with its fp32 log-sum-exp and the
+                  AttnRes statistics.
   none            every layer's residuals.
 
 The MTP block is planned like one more unscanned layer under each policy: full recomputes its
@@ -213,11 +216,11 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   ns = -(-m.num_layers // m.attn_res.block_size) + 1
   out = {}
 
-  # The sources buffer (blocks + partial sum) is a new array per site; its fp32 copy and the
-  # normalised keys are elementwise and assumed fused into their consumers (transient only).
-  out["attn_res"] = Cost().add("attn_res: sources [N_max, n, d] + fp32 stats",
-                               saved=n * ns * d * A + 2 * n * ns * F,
-                               dots=n * d * F + n * ns * F, transient=2 * n * ns * d * F)
+  # mix_stream reads the block buffer in place (one new version per layer: half per site) and
+  # keeps three [N_max, n] fp32 statistics; its fp32 source copies exist only in the backward.
+  out["attn_res"] = Cost().add("attn_res: block buffer version + fp32 stats [3, N_max, n]",
+                               saved=n * (ns - 1) * d * A // 2 + 3 * n * ns * F,
+                               kept=3 * n * ns * F, transient=2 * n * ns * d * F)
   out["norm"] = Cost().add("rmsnorm: fp32 input + output", saved=n * d * (F + A))
 
   k = m.kda
@@ -289,7 +292,7 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
     c.add("final norm + head logits + fp32 loss", dots=n * dims.vocab * A,
           saved=n * d * (F + A) + n * dims.vocab * F, transient=n * dims.vocab * F * 2)
   out["head"] = c + out["attn_res"]
-  out["carry"] = Cost().add("scan carry: AttnRes source buffer + partial sum", saved=(ns + 1) * n * d * A)
+  out["carry"] = Cost().add("scan carry: AttnRes block buffer + partial sum", saved=ns * n * d * A)
   if mtp_enabled(cfg):
     out.update(mtp_costs(dims, out, A))
   return out

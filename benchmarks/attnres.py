@@ -1,0 +1,115 @@
+"""AttnRes mixing sites: forward and forward+backward device time of the two implementations.
+
+  python benchmarks/attnres.py [--shapes=2x4096x2048] [--blocks=4] [--iters=50]
+
+For each B×T×d and every valid block count 0 … N (N = --blocks slots in the stream's buffer),
+times one mixing site in bfloat16 with fp32 statistics:
+  reference  `attn_res_mix(with_partial(blocks, num_blocks, p), num_blocks + 1, …)`, the
+             sources buffer built per site and differentiated by autodiff;
+  stream     `mix_stream(blocks, num_blocks, p, …)`, the buffer read in place with the explicit
+             VJP (what the model runs).
+forward+backward is the gradient of Σ out · cotangent with respect to blocks, p, query and gain.
+Checks that both give the same output and gradients (bf16 tolerance), then prints one JSON line
+per (shape, path) with the median over block counts of the per-call medians, and a table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import _flags  # noqa: E402
+from k3train.model import attnres  # noqa: E402
+
+PROG = "python benchmarks/attnres.py"
+EPS = 1e-6
+FLAGS = (
+    _flags.Flag("shapes", "list", ["2x4096x2048"], "B×T×d to time"),
+    _flags.Flag("blocks", "int", 4, "block slots of the stream (N_max − 1)"),
+    _flags.Flag("iters", "int", 50, "timed calls per setting"),
+)
+
+
+def _paths():
+  def reference(blocks, n, p, q, g):
+    return attnres.attn_res_mix(attnres.with_partial(blocks, n, p), n + 1, q, g, EPS)
+
+  def stream(blocks, n, p, q, g):
+    return attnres.mix_stream(blocks, n, p, q, g, EPS)
+
+  return {"reference": reference, "stream": stream}
+
+
+def _time(fn, args, iters: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def measure(b: int, t: int, d: int, num_slots: int, iters: int) -> list[dict]:
+  keys = jax.random.split(jax.random.key(0), 5)
+  blocks = jax.random.normal(keys[0], (num_slots, b, t, d), jnp.float32).astype(jnp.bfloat16)
+  p = jax.random.normal(keys[1], (b, t, d), jnp.float32).astype(jnp.bfloat16)
+  q = 0.05 * jax.random.normal(keys[2], (d,), jnp.float32)
+  g = 1.0 + 0.1 * jax.random.normal(keys[3], (d,), jnp.float32)
+  cot = jax.random.normal(keys[4], (b, t, d), jnp.float32).astype(jnp.bfloat16)
+  rows, results = [], {}
+  for name, fn in _paths().items():
+    fwd = jax.jit(fn)
+    grad = jax.jit(jax.grad(lambda bl, n, p, q, g, fn=fn: jnp.sum(
+        (fn(bl, n, p, q, g) * cot).astype(jnp.float32)), argnums=(0, 2, 3, 4)))
+    fwd_s, bwd_s = [], []
+    for n in range(num_slots + 1):
+      args = (blocks, jnp.int32(n), p, q, g)
+      fwd_s.append(_time(fwd, args, iters))
+      bwd_s.append(_time(grad, args, iters))
+    results[name] = (fwd(blocks, jnp.int32(2), p, q, g), grad(blocks, jnp.int32(2), p, q, g))
+    rows.append({"shape": f"{b}x{t}x{d}", "slots": num_slots, "path": name,
+                 "fwd_ms": round(1e3 * float(np.median(fwd_s)), 4),
+                 "fwd_bwd_ms": round(1e3 * float(np.median(bwd_s)), 4),
+                 "fwd_ms_by_count": [round(1e3 * x, 4) for x in fwd_s],
+                 "fwd_bwd_ms_by_count": [round(1e3 * x, 4) for x in bwd_s]})
+  (out_r, grads_r), (out_s, grads_s) = results["reference"], results["stream"]
+  agree = all(np.allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2e-2, atol=2e-2)
+              for x, y in zip((out_r, *grads_r), (out_s, *grads_s)))
+  for r in rows:
+    r["agree_bf16"] = agree
+  return rows
+
+
+def main(argv=None) -> int:
+  args = _flags.parse(argv, PROG, FLAGS)
+  if args.exit_code is not None:
+    return args.exit_code
+  f = args.flags
+  env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+  rows = []
+  for shape in f.shapes:
+    b, t, d = (int(x) for x in shape.lower().split("x"))
+    for r in measure(b, t, d, f.blocks, f.iters):
+      r.update(env)
+      rows.append(r)
+      print(json.dumps(r), flush=True)
+  print(f"{'shape':>14} {'path':>9} {'fwd ms':>8} {'fwd+bwd ms':>10} agree")
+  for r in rows:
+    print(f"{r['shape']:>14} {r['path']:>9} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>10.3f} "
+          f"{r['agree_bf16']}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
