@@ -7,8 +7,8 @@ one batched chain per shape (`orthogonalize`). Blocks are oriented so that m ≤
 (a tall [in, out] block is handled as its transpose, NS(Gᵀ) = NS(G)ᵀ), so a tall and a wide block
 of transposed sizes share one chain too.
 
-The matmuls take `compute_dtype` operands and accumulate in float32: bfloat16 runs at the
-tensor-core rate; float32 is the plain fp32 iteration (the same arithmetic as optax's
+The matmuls take `compute_dtype` operands, accumulate in float32 and write `compute_dtype`:
+bfloat16 runs at the tensor-core rate and halves the traffic between the matmuls; float32 is the plain fp32 iteration (the same arithmetic as optax's
 `orthogonalize_via_newton_schulz`), kept as the reference path.
 """
 
@@ -41,18 +41,21 @@ def compute_dtype_of(name) -> jnp.dtype:
   return dtype
 
 
-def _bmm(lhs, rhs, dims):
-  """Batched matmul with float32 accumulation and a float32 result."""
-  return lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+def _bmm(lhs, rhs, dims, out_dtype):
+  """Batched matmul accumulating in float32 (the GEMM's own accumulator), written in
+  `out_dtype`: bf16 outputs halve the memory traffic between the chain's matmuls."""
+  return lax.dot_general(lhs, rhs, dims, preferred_element_type=out_dtype)
 
 
 def _quintic_step(x_bmn, coeffs, compute_dtype):
-  """X ← aX + (bA + cA²)X with A = X Xᵀ; operands in compute_dtype, result float32."""
+  """X ← aX + (bA + cA²)X with A = X Xᵀ; operands and results in compute_dtype, the linear
+  combinations in float32."""
   a, b, c = coeffs
-  gram_bmm = _bmm(x_bmn, x_bmn, _X_XT)
-  gram_c = gram_bmm.astype(compute_dtype)
-  poly_bmm = b * gram_bmm + c * _bmm(gram_c, gram_c, _MATMUL)
-  return a * x_bmn.astype(jnp.float32) + _bmm(poly_bmm.astype(compute_dtype), x_bmn, _MATMUL)
+  gram_bmm = _bmm(x_bmn, x_bmn, _X_XT, compute_dtype)
+  gram2_bmm = _bmm(gram_bmm, gram_bmm, _MATMUL, compute_dtype)
+  poly_bmm = (b * gram_bmm.astype(jnp.float32) + c * gram2_bmm.astype(jnp.float32))
+  update_bmn = _bmm(poly_bmm.astype(compute_dtype), x_bmn, _MATMUL, compute_dtype)
+  return (a * x_bmn.astype(jnp.float32) + update_bmn.astype(jnp.float32)).astype(compute_dtype)
 
 
 def orthogonalize(x_bmn: jax.Array, coeffs: Sequence[float] = NS_COEFFS, steps: int = NS_STEPS,
@@ -60,8 +63,8 @@ def orthogonalize(x_bmn: jax.Array, coeffs: Sequence[float] = NS_COEFFS, steps: 
   """Quintic Newton–Schulz on each [m, n] block of `x_bmn`; float32 result of the same shape.
 
   Each block is divided by (its Frobenius norm + eps) in float32 first. Blocks with m > n are
-  iterated on their transpose, so the Gram matrix X Xᵀ is the smaller one. Between steps X is
-  rounded to `compute_dtype`; the last step's float32 result is returned as it is.
+  iterated on their transpose, so the Gram matrix X Xᵀ is the smaller one. Every matmul writes
+  `compute_dtype` (accumulating in float32); X is kept in `compute_dtype` between steps.
   """
   compute_dtype = compute_dtype_of(compute_dtype)
   if x_bmn.ndim != 3:
@@ -71,8 +74,10 @@ def orthogonalize(x_bmn: jax.Array, coeffs: Sequence[float] = NS_COEFFS, steps: 
   x_bmn = x_bmn.astype(jnp.float32)
   norm_b11 = jnp.sqrt(jnp.sum(jnp.square(x_bmn), axis=(1, 2), keepdims=True))
   x_bmn = x_bmn / (norm_b11 + eps)
+  x_bmn = x_bmn.astype(compute_dtype)
   for _ in range(steps):
-    x_bmn = _quintic_step(x_bmn.astype(compute_dtype), coeffs, compute_dtype)
+    x_bmn = _quintic_step(x_bmn, coeffs, compute_dtype)
+  x_bmn = x_bmn.astype(jnp.float32)
   return jnp.swapaxes(x_bmn, 1, 2) if tall else x_bmn
 
 
