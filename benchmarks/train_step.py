@@ -21,9 +21,11 @@ buffers" is part of the "backward working set"), so they do not add up to its to
 
 With --profile_steps > 0 those steps run under `jax.profiler.trace` and every device op's time is
 assigned to a model part by the `jax.named_scope` names in its HLO op_name (`PARTS`: KDA, MLA,
-routed-expert matmuls, dispatch / combine, router, QB statistics, AttnRes, norms, head and loss,
-optimizer); a fusion without metadata takes that of the first located instruction it fuses.
-Ops in none of the scopes (embedding, elementwise glue, the step's bookkeeping) are "other". `--variants='name:key=value,key=value;…'` runs the same measurement for
+routed-expert matmuls, dispatch / combine, router, QB statistics, the MoE's latent down / up
+projections and shared experts, the dense FFN, AttnRes, norms, head and loss, optimizer with the
+finite check); a fusion without metadata takes that of the first located instruction it fuses.
+Ops in none of the scopes (embedding, elementwise glue, buffer initialisation, the step's
+bookkeeping) are "other". `--variants='name:key=value,key=value;…'` runs the same measurement for
 config variants in the same process (one JSON line each), so a baseline and a change are timed on
 the same machine in the same run. `--moe_loads` adds the per-step worst-layer max/mean expert
 load (Quantile Balancing's balance over the run).
@@ -52,9 +54,11 @@ PROG = "python benchmarks/train_step.py"
 # Model parts, found by the `jax.named_scope` names the model and the step give their code (the
 # op_name of every HLO instruction carries them, backward and rematerialised ops included). The
 # first name of this list that appears in an op's scope path decides: the expert matmuls before
-# their dispatch / combine, a norm inside an attention layer counts as that layer.
-PARTS = ("optimizer", "moe_gmm", "router_qb", "router", "moe_dispatch_combine", "kda", "mla",
-         "head_loss", "attnres", "norm")
+# their dispatch / combine, a norm inside an attention layer counts as that layer, the shared
+# experts (an `ffn` inside `moe_proj`) as the MoE's dense projections. "optimizer" holds the
+# update and the finite check of the new state, which XLA fuses together.
+PARTS = ("optimizer", "moe_gmm", "router_qb", "router", "moe_dispatch_combine", "moe_proj", "kda",
+         "mla", "ffn", "head_loss", "attnres", "norm")
 
 
 def define(fv: flags.FlagValues) -> None:

@@ -151,6 +151,7 @@ class GluMLP(nnx.Module):
     self.up_proj = Linear((d_model,), (hidden,), (in_axis, hidden_axis), **kw)
     self.down_proj = Linear((hidden,), (d_model,), (hidden_axis, in_axis), **kw)
 
+  @jax.named_scope("ffn")
   def __call__(self, x: jax.Array) -> jax.Array:
     h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
     h = constrain(h, ax.BATCH, ax.SEQ, ax.MLP) if h.ndim == 3 else h

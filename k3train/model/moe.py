@@ -505,6 +505,7 @@ class StableLatentMoE(nnx.Module):
                                routed_scaling_factor=self.router.routed_scaling_factor)
     return weights_nk, idx_nk, scores_ne
 
+  @jax.named_scope("moe_proj")
   def _finish(self, r_nl: jax.Array, x_btd: jax.Array) -> jax.Array:
     """Latent combine result r_nl [N, ℓ] → y_btd: norm, up-projection, + shared experts."""
     if self.latent_norm is not None:
@@ -531,7 +532,8 @@ class StableLatentMoE(nnx.Module):
       weights_nk, idx_nk, scores_ne = self.router(x_nd)
     self._record_routing_stats(scores_ne, idx_nk, real_n)
 
-    x_nl = self.down_proj(x_nd)
+    with jax.named_scope("moe_proj"):
+      x_nl = self.down_proj(x_nd)
     # Dispatch → experts → combine; over the `expert` mesh axis when a layout is active.
     with jax.named_scope("moe_dispatch_combine"):
       r_btl = expert_parallel.routed_experts(

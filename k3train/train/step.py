@@ -358,7 +358,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
       metrics["mla_max_logit"] = jnp.max(jnp.concatenate([x.reshape(-1) for x in logits_max]))
     skipped = state.skipped + skip.astype(jnp.int32)
     new_state = TrainState(state.step + 1, params, rest, opt_state, loss_ema, skipped)
-    metrics.update(nonfinite_check(new_state, metrics["grad_norm"], skip))
+    with jax.named_scope("optimizer"):   # XLA fuses the check into the update's fusions
+      metrics.update(nonfinite_check(new_state, metrics["grad_norm"], skip))
     return new_state, metrics
 
   return train_step
