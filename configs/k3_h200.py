@@ -35,7 +35,8 @@ def get_config():
   c.train.use_stages = False             # one stage; the K3 stage plan needs a pod
 
   c.data.seq_len = 4096
-  c.train.global_batch_size = 16
+  c.train.global_batch_size = 16         # 65,536 tokens per update, as 8 micro-batches of
+  c.train.microbatches = 8               # 2 × 4096: what fits one H200 with remat "selective"
   c.train.steps = 1000
   c.optim.warmup_steps = 100
   c.checkpoint.every_steps = 500

@@ -405,3 +405,19 @@ def test_cli_on_k3_full_is_fast_and_allocates_nothing():
   assert out["bytes"]["parameters"] * 1024 >= 2_779_484_393_568 * 4
   assert out["tokens_per_device"] == 2048 and out["global_batch"] == 64
   assert elapsed < 20, f"plan CLI took {elapsed:.1f} s"
+
+
+def test_h200_proxy_as_configured_fits_one_h200():
+  """configs/k3_h200.py runs on one 141 GB H200 as written (batch, micro-batches, remat): the
+  plan's peak is within the 10 % margin; the same batch without micro-batches is not."""
+  from k3train.tools.plan import stages as stages_lib
+  from tests.configs import k3_h200
+  cfg = config_lib.validate(k3_h200.get_config())
+  assert cfg.train.microbatches > 1
+  (_, p), = stages_lib.stage_plans(cfg, 1, device_memory_gib=141.0)
+  assert not isinstance(p, str), p
+  assert p.fits, (p.peak / 2**30, p.budget / 2**30)
+  whole = config_lib.validate(k3_h200.get_config())
+  whole.train.microbatches = 1
+  (_, q), = stages_lib.stage_plans(whole, 1, device_memory_gib=141.0)
+  assert not q.fits and q.peak > 2 * p.peak
