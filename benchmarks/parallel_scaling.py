@@ -1,7 +1,7 @@
 """Training-step throughput on 1 GPU and on 2 GPUs with expert or sequence parallelism. One mesh
 per process; prints one JSON line.
 
-  B="--config=configs/k3_h200.py --config.optim.optimizer=adamw"
+  B="--config=configs/k3_h200.py --config.optim.optimizer=adamw --config.train.microbatches=1"
   python benchmarks/parallel_scaling.py $B --config.parallel.rules=default \\
       --config.train.global_batch_size=2                                           # 1 GPU
   python benchmarks/parallel_scaling.py $B --config.parallel.rules=default \\
@@ -11,7 +11,8 @@ per process; prints one JSON line.
   python benchmarks/parallel_scaling.py $B --config.parallel.rules=default \\
       --config.train.global_batch_size=2 --config.model.moe.backend=ragged_dot     # vs auto
 
-(AdamW, batch 2 or 4 and these rules are the settings of the runs in parallel_scaling.md.)
+(AdamW, batch 2 or 4 without micro-batches and these rules are the settings of the runs in
+parallel_scaling.md.)
 
 The run is the config's (model, optimizer, mesh and rules from `parallel`, batch
 train.global_batch_size × data.seq_len), built by `k3train.train.builder.build` exactly as the
@@ -20,7 +21,8 @@ layer and the last; 0 keeps the config's depth). The batch is synthetic and pack
 per row. `--smoke` shrinks the widths to check the script on a CPU:
 
   python benchmarks/parallel_scaling.py --config=configs/k3_h200.py --smoke --steps=1 \\
-      --config.data.seq_len=256 --config.optim.optimizer=adamw --config.train.global_batch_size=2
+      --config.data.seq_len=256 --config.optim.optimizer=adamw --config.train.global_batch_size=2 \\
+      --config.train.microbatches=1
 
 Reported: seconds per step (median of --steps after 2 warm-up steps), tokens/s and tokens/s per
 device, peak device memory, compile time.
