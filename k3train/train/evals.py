@@ -38,6 +38,7 @@ from flax import nnx
 
 from k3train.data import retrieval
 from k3train.data import tokenizer as tokenizer_lib
+from k3train.parallel import sync
 from k3train.train import evaluation
 from k3train.train import head_loss
 
@@ -102,7 +103,8 @@ class Evaluator:
     self.process_count, self.process_index = jax.process_count(), jax.process_index()
     self.rows = cfg.train.global_batch_size // self.process_count
     self.edges = position_edges(self.seq_len, ev.position_buckets)
-    self.step = make_eval_step(run, self.edges, cfg.train.loss_chunk_tokens)
+    self.step = sync.CompiledTogether(
+        make_eval_step(run, self.edges, cfg.train.loss_chunk_tokens), "eval step")
     self.tok = tokenizer_lib.load_tokenizer(cfg.data.tokenizer)
     self._held_out = None
 

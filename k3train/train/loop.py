@@ -54,6 +54,7 @@ from k3train import config as config_lib
 from k3train.data import pipeline
 from k3train.data import sources as sources_lib
 from k3train.parallel import mesh as mesh_lib
+from k3train.parallel import sync
 from k3train.train import builder
 from k3train.train import curriculum
 from k3train.train.checkpoint import config_to_json
@@ -390,7 +391,8 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
   with writers_lib.progress("building the model, optimizer state and train step"
                             + (f" of {tag}" if staged else ""), _log):
     run = builder.build(cfg, log=_log if first_built else None)
-  layout, state, train_step = run.layout, run.state, run.step
+  layout, state = run.layout, run.state
+  train_step = sync.CompiledTogether(run.step, "train step")   # no process starts before all compiled
   _log(f"mesh: {mesh_lib.describe(dict(layout.mesh.shape))} over {jax.device_count()} devices "
        f"({process_count} processes); rules: {cfg.parallel.rules}")
   if t.microbatches > 1:

@@ -29,8 +29,19 @@ def launch(workdir, steps: int, mesh: list[str], cache_dir: str) -> str:
          f"--compilation_cache_dir={cache_dir}", *SMALL, *mesh]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200,
                         env=dict(os.environ, PYTHONPATH=ROOT))
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert proc.returncode == 0, _failure_report(proc.stdout + proc.stderr)
   return proc.stdout
+
+
+def _failure_report(log: str, lines_per_process: int = 40) -> str:
+  """Each process's last lines, without native stack frames: the Python error comes first."""
+  kept = [l for l in log.splitlines() if not re.match(r"\[\d+\]\s+@\s+0x", l)
+          and "[Gloo] Rank" not in l]
+  out = []
+  for rank in sorted({m.group(1) for l in kept if (m := re.match(r"\[(\d+)\]", l))}):
+    mine = [l for l in kept if l.startswith(f"[{rank}]")]
+    out += [f"--- process {rank}: last {min(len(mine), lines_per_process)} lines"] + mine[-lines_per_process:]
+  return "\n".join(out + [l for l in kept if l.startswith("[launch]")])
 
 
 def fingerprint(log: str, what: str) -> float:
