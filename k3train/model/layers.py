@@ -49,8 +49,16 @@ def low_precision_matmul(x: jax.Array, w: jax.Array, n_in: int, dtype) -> jax.Ar
 
 
 def _contract(a, b, a_dims, b_dims, out_dtype):
+  """a · b accumulated in fp32, the result in out_dtype.
+
+  When out_dtype is the operands' own dtype the matmul writes it directly: GPU GEMMs and the TPU
+  MXU still accumulate in fp32 and round once, while asking for fp32 and converting afterwards
+  makes the GEMM write twice the bytes and adds a convert pass over them.
+  """
+  out_dtype = jnp.dtype(out_dtype)
+  preferred = out_dtype if out_dtype == a.dtype == b.dtype else jnp.dtype(jnp.float32)
   return jax.lax.dot_general(a, b, ((a_dims, b_dims), ((), ())),
-                             preferred_element_type=jnp.float32).astype(out_dtype)
+                             preferred_element_type=preferred).astype(out_dtype)
 
 
 def _matmul_fwd(x, w, n_in, dtype):
@@ -96,11 +104,8 @@ class Linear(nnx.Module):
       return low_precision_matmul(x, self.kernel[...], n_in, self.dtype)
     lhs_contract = tuple(range(x.ndim - n_in, x.ndim))
     rhs_contract = tuple(range(n_in))
-    y = jax.lax.dot_general(
-        x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-        ((lhs_contract, rhs_contract), ((), ())),
-        preferred_element_type=jnp.float32)
-    return y.astype(self.dtype)
+    return _contract(x.astype(self.dtype), self.kernel[...].astype(self.dtype), lhs_contract,
+                     rhs_contract, self.dtype)
 
 
 @jax.named_scope("norm")

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from k3train.model import layers
@@ -31,9 +32,13 @@ def test_values_and_gradients_match_a_float64_reference_within_bf16_rounding():
     np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=4 * 2**-8 * scale * 2)
 
 
-def test_backward_matmuls_take_bf16_operands():
-  """No fp32 × fp32 matmul in the gradient program: both backward dots read bf16."""
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+def test_backward_matmuls_take_bf16_operands_and_write_their_result_dtype(x_dtype):
+  """No fp32 × fp32 matmul in the gradient program: all three dots read bf16. Each writes its
+  result's dtype directly (y: bf16; dx: x's dtype; dW: fp32), so no GEMM writes fp32 only for a
+  convert to round it to bf16 afterwards."""
   x, w, _ = _inputs()
+  x = x.astype(x_dtype)
 
   def loss(x, w):
     return jnp.sum(layers.low_precision_matmul(x, w, 1, jnp.bfloat16).astype(jnp.float32) ** 2)
@@ -43,7 +48,8 @@ def test_backward_matmuls_take_bf16_operands():
   assert len(dots) == 3                                       # forward, input grad, weight grad
   for e in dots:
     assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
-    assert e.params["preferred_element_type"] == jnp.float32
+  written = [e.params["preferred_element_type"] for e in dots]
+  assert written == [jnp.bfloat16, jnp.dtype(x_dtype), jnp.float32], written
 
 
 def test_linear_below_fp32_equals_autodiff_of_the_rounded_computation():
