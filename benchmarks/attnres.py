@@ -17,11 +17,8 @@ per (shape, path) with the median over block counts of the per-call medians, and
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import _flags  # noqa: E402
+from benchmarks import _flags, _record  # noqa: E402
 from k3train.model import attnres, layers  # noqa: E402
 
 PROG = "python benchmarks/attnres.py"
@@ -55,16 +52,6 @@ def _paths():
   return {"reference": reference, "stream": stream}
 
 
-def _time(fn, args, iters: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
 def measure(b: int, t: int, d: int, num_slots: int, iters: int) -> list[dict]:
   keys = jax.random.split(jax.random.key(0), 5)
   blocks = jax.random.normal(keys[0], (num_slots, b, t, d), jnp.float32).astype(jnp.bfloat16)
@@ -80,8 +67,8 @@ def measure(b: int, t: int, d: int, num_slots: int, iters: int) -> list[dict]:
     fwd_s, bwd_s = [], []
     for n in range(num_slots + 1):
       args = (blocks, jnp.int32(n), p, q, g)
-      fwd_s.append(_time(fwd, args, iters))
-      bwd_s.append(_time(grad, args, iters))
+      fwd_s.append(_record.median_call_seconds(fwd, args, iters))
+      bwd_s.append(_record.median_call_seconds(grad, args, iters))
     results[name] = (fwd(blocks, jnp.int32(2), p, q, g), grad(blocks, jnp.int32(2), p, q, g))
     rows.append({"shape": f"{b}x{t}x{d}", "slots": num_slots, "path": name,
                  "fwd_ms": round(1e3 * float(np.median(fwd_s)), 4),
@@ -89,13 +76,10 @@ def measure(b: int, t: int, d: int, num_slots: int, iters: int) -> list[dict]:
                  "fwd_ms_by_count": [round(1e3 * x, 4) for x in fwd_s],
                  "fwd_bwd_ms_by_count": [round(1e3 * x, 4) for x in bwd_s]})
   (out_r, grads_r), (out_s, grads_s) = results["reference"], results["stream"]
-  errors = {}
-  for name, x, y in zip(("out", "d_blocks", "d_p", "d_query", "d_gain"), (out_r, *grads_r),
-                        (out_s, *grads_s)):
-    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-    errors[name] = float(np.abs(x - y).max() / max(np.abs(x).max(), 1e-30))
+  errors = _record.relative_errors(("out", "d_blocks", "d_p", "d_query", "d_gain"),
+                                   (out_r, *grads_r), (out_s, *grads_s))
   for r in rows:
-    r["max_err_rel_to_max"] = {k: float(f"{v:.3g}") for k, v in errors.items()}
+    r["max_err_rel_to_max"] = errors
     r["agree_bf16"] = max(errors.values()) <= AGREE
   return rows
 
@@ -105,15 +89,11 @@ def main(argv=None) -> int:
   if args.exit_code is not None:
     return args.exit_code
   f = args.flags
-  env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+  env = _record.environment()
   rows = []
   for shape in f.shapes:
-    b, t, d = (int(x) for x in shape.lower().split("x"))
-    for r in measure(b, t, d, f.blocks, f.iters):
-      r.update(env)
-      rows.append(r)
-      print(json.dumps(r), flush=True)
+    b, t, d = _record.dims(shape)
+    rows += _record.emit(measure(b, t, d, f.blocks, f.iters), env)
   print(f"{'shape':>14} {'path':>9} {'fwd ms':>8} {'fwd+bwd ms':>10} agree")
   for r in rows:
     print(f"{r['shape']:>14} {r['path']:>9} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>10.3f} "

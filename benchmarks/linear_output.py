@@ -17,11 +17,8 @@ and a table.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import platform
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import _flags  # noqa: E402
+from benchmarks import _flags, _record  # noqa: E402
 from k3train.model import layers  # noqa: E402
 
 PROG = "python benchmarks/linear_output.py"
@@ -75,16 +72,6 @@ def _paths():
           "direct": lambda x, w: layers.low_precision_matmul(x, w, 1, jnp.bfloat16)}
 
 
-def _time(fn, args, iters: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
 def measure(tokens: int, k: int, n: int, iters: int) -> list[dict]:
   keys = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(keys[0], (tokens, k), jnp.float32).astype(jnp.bfloat16)
@@ -96,18 +83,15 @@ def measure(tokens: int, k: int, n: int, iters: int) -> list[dict]:
     fwd = jax.jit(fn)
     grad = jax.jit(jax.value_and_grad(
         lambda x, w, fn=fn: jnp.sum((fn(x, w) * cot).astype(jnp.float32)), argnums=(0, 1)))
-    fwd_s, both_s = _time(fwd, (x, w), iters), _time(grad, (x, w), iters)
+    fwd_s, both_s = _record.median_call_seconds(fwd, (x, w), iters), _record.median_call_seconds(grad, (x, w), iters)
     results[name] = (fwd(x, w), *grad(x, w)[1])
     rows.append({"shape": f"{tokens}x{k}x{n}", "path": name,
                  "fwd_ms": round(1e3 * fwd_s, 4), "fwd_bwd_ms": round(1e3 * both_s, 4),
                  "fwd_tflops": round(flops / fwd_s / 1e12, 1),
                  "fwd_bwd_tflops": round(3 * flops / both_s / 1e12, 1)})
-  errors = {}
-  for name, a, b in zip(("y", "dx", "dw"), results["convert"], results["direct"]):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    errors[name] = float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
+  errors = _record.relative_errors(("y", "dx", "dw"), results["convert"], results["direct"])
   for r in rows:
-    r["max_err_rel_to_max"] = {k: float(f"{v:.3g}") for k, v in errors.items()}
+    r["max_err_rel_to_max"] = errors
     r["agree"] = max(errors.values()) <= AGREE
   return rows
 
@@ -117,15 +101,11 @@ def main(argv=None) -> int:
   if args.exit_code is not None:
     return args.exit_code
   f = args.flags
-  env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+  env = _record.environment()
   rows = []
   for shape in f.shapes:
-    k, n = (int(v) for v in shape.lower().split("x"))
-    for r in measure(f.tokens, k, n, f.iters):
-      r.update(env)
-      rows.append(r)
-      print(json.dumps(r), flush=True)
+    k, n = _record.dims(shape)
+    rows += _record.emit(measure(f.tokens, k, n, f.iters), env)
   print(f"{'tokens×K×N':>16} {'path':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s':>8} agree")
   for r in rows:
     print(f"{r['shape']:>16} {r['path']:>8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>10.3f} "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 
@@ -23,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import _flags  # noqa: E402
+from benchmarks import _flags, _record  # noqa: E402
 from k3train.model.moe import quantile_balancing_bias  # noqa: E402
 
 PROG = "python benchmarks/qb_bisection.py"
@@ -68,8 +67,7 @@ def main(argv=None) -> int:
   if len(experts) != len(top_ks):
     print(f"{PROG}: --experts and --top_k need the same number of entries", file=sys.stderr)
     return _flags.USAGE_ERROR
-  env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+  env = _record.environment()
   rows = []
   for e, k in zip(experts, top_ks):
     ref = None

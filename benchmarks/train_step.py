@@ -37,7 +37,6 @@ import collections
 import glob
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import _record  # noqa: E402
 from k3train import cli  # noqa: E402
 
 PROG = "python benchmarks/train_step.py"
@@ -391,10 +391,8 @@ def main(argv=None) -> int:
     cli.error(PROG, str(e))
     return cli.USAGE_ERROR
   # Step times compare only under the same runtime settings: record them with every row.
-  env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-         "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")}
+  env = _record.environment(xla_flags=os.environ.get("XLA_FLAGS", ""),
+                            mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ""))
   rows = []
   for name, pairs in variants:
     cfg = apply_overrides(args.config, pairs)

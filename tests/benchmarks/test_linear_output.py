@@ -3,18 +3,11 @@ give the same outputs and gradients (within one bf16 rounding), and the script e
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks import scripts
 
 
 def _script():
-  spec = importlib.util.spec_from_file_location(
-      "benchmark_linear_output", os.path.join(REPO, "benchmarks", "linear_output.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return scripts.load("linear_output")
 
 
 def test_both_paths_agree_within_one_bf16_rounding():

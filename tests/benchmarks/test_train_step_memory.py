@@ -8,24 +8,21 @@ checkpoint every 5), so the step program is the one that test compiles (persiste
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 
+from tests.benchmarks import scripts
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(REPO, "benchmarks", "train_step.py")
 ARGV = ["train_step.py", f"--config={os.path.join(REPO, 'configs', 'k3_tiny.py')}",
         "--config.train.steps=30", "--config.checkpoint.every_steps=5",
         "--config.metrics.vectors_every=10", "--steps=1", "--profile_steps=0"]
 
 
 def _load_script():
-  spec = importlib.util.spec_from_file_location("benchmark_train_step", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return scripts.load("train_step")
 
 
 @pytest.fixture(scope="module")

@@ -3,25 +3,19 @@ and `classify` puts ops of nested scopes into the part the PARTS order promises.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tests.benchmarks import scripts
 from tests.model.test_moe import make_moe, tokens
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _script():
-  spec = importlib.util.spec_from_file_location(
-      "benchmark_train_step_parts", os.path.join(REPO, "benchmarks", "train_step.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return scripts.load("train_step")
 
 
 def test_nested_scopes_go_to_the_outer_part():

@@ -1,0 +1,56 @@
+"""What every benchmark record carries: the run's environment, and per-call medians.
+
+jax is imported on use, so scripts can parse their flags (and print help) without it.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+
+
+def environment(**extra) -> dict:
+  """{device kind, jax and python versions, date} plus `extra` (e.g. XLA flags), for each row."""
+  import jax
+  return {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+          "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), **extra}
+
+
+def median_call_seconds(fn, args, iters: int) -> float:
+  """Median wall time of `fn(*args)` to its results being ready, after one untimed call."""
+  import jax
+  import numpy as np
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def relative_errors(names, reference, other) -> dict:
+  """{name: max |reference − other| / max |reference|} per output pair (fp32 on the host),
+  rounded to 3 significant digits."""
+  import numpy as np
+  errors = {}
+  for name, a, b in zip(names, reference, other):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    errors[name] = float(f"{float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)):.3g}")
+  return errors
+
+
+def emit(rows, env: dict) -> list[dict]:
+  """Adds `env` to each row, prints it as one JSON line as soon as it is measured; returns them."""
+  import json
+  out = []
+  for r in rows:
+    r.update(env)
+    out.append(r)
+    print(json.dumps(r), flush=True)
+  return out
+
+
+def dims(text: str) -> tuple[int, ...]:
+  """'2x4096x2048' → (2, 4096, 2048)."""
+  return tuple(int(x) for x in text.lower().split("x"))
