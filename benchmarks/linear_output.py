@@ -83,7 +83,8 @@ def measure(tokens: int, k: int, n: int, iters: int) -> list[dict]:
     fwd = jax.jit(fn)
     grad = jax.jit(jax.value_and_grad(
         lambda x, w, fn=fn: jnp.sum((fn(x, w) * cot).astype(jnp.float32)), argnums=(0, 1)))
-    fwd_s, both_s = _record.median_call_seconds(fwd, (x, w), iters), _record.median_call_seconds(grad, (x, w), iters)
+    fwd_s = _record.median_call_seconds(fwd, (x, w), iters)
+    both_s = _record.median_call_seconds(grad, (x, w), iters)
     results[name] = (fwd(x, w), *grad(x, w)[1])
     rows.append({"shape": f"{tokens}x{k}x{n}", "path": name,
                  "fwd_ms": round(1e3 * fwd_s, 4), "fwd_bwd_ms": round(1e3 * both_s, 4),

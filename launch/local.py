@@ -39,7 +39,7 @@ def child_env(base: dict, rank: int, processes: int, port: int, cpu_devices: int
   env.update(K3TRAIN_COORDINATOR=f"localhost:{port}", K3TRAIN_NUM_PROCESSES=str(processes),
              K3TRAIN_PROCESS_ID=str(rank))
   env["PYTHONUNBUFFERED"] = "1"          # lines appear as they are printed
-  env.setdefault("PYTHONFAULTHANDLER", "1")   # an abort (e.g. a failed barrier) prints every thread's stack
+  env.setdefault("PYTHONFAULTHANDLER", "1")   # an abort (a failed barrier) prints all threads' stacks
   if cpu_devices is not None:
     env["K3TRAIN_CPU_DEVICES"] = str(cpu_devices)
     env["JAX_PLATFORMS"] = "cpu"

@@ -3,9 +3,10 @@
 Processes compile the same program at different speeds. The plainest cause: jax's persistent
 compilation cache is written by process 0 only, and on CPU the key is not the same on every
 process (jax 0.10.2 leaves the device assignment out of it on GPU only), so a warm cache lets
-process 0 load its executable in seconds while every other process compiles from scratch. A host whose cache is cold (a replaced node) does the same on GPU. The
-first device collective then waits for the slow process under the collective library's own
-timeout (gloo: 30 s), which is far shorter than a compile, and the run dies.
+process 0 load its executable in seconds while every other process compiles from scratch. A
+host whose cache is cold (a replaced node) does the same on GPU. The first device collective
+then waits for the slow process under the collective library's own timeout (gloo: 30 s), which
+is far shorter than a compile, and the run dies.
 
 `wait_for_every_process` is a barrier of the coordination service (no device work, its own
 timeout). `CompiledTogether` wraps a jitted function: on a new argument signature, each process

@@ -126,7 +126,8 @@ def _chunk_grads(x_bcd, w_dv, logits_bcv, logz_bc, onehot_bcv, weight_bc, dtype,
   probs_bcv = jnp.exp(logits_bcv - logz_bc[..., None])
   dlogits_bcv = ((probs_bcv - onehot_bcv) * weight_bc[..., None]).astype(dtype)
   dlogits_bcv = constrain(dlogits_bcv, ax.BATCH, ax.SEQ, ax.VOCAB)
-  written = x_dtype if jnp.dtype(x_dtype) == jnp.dtype(dtype) else jnp.float32   # see layers._contract
+  # dx straight from the GEMM in x's dtype when that is the operands' (see layers._contract).
+  written = x_dtype if jnp.dtype(x_dtype) == jnp.dtype(dtype) else jnp.float32
   dx_bcd = jax.lax.dot_general(dlogits_bcv, w_dv.astype(dtype), (((2,), (1,)), ((), ())),
                                preferred_element_type=written).astype(x_dtype)
   dw_dv = jax.lax.dot_general(x_bcd.astype(dtype), dlogits_bcv, (((0, 1), (0, 1)), ((), ())),

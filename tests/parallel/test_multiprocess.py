@@ -40,7 +40,8 @@ def _failure_report(log: str, lines_per_process: int = 40) -> str:
   out = []
   for rank in sorted({m.group(1) for l in kept if (m := re.match(r"\[(\d+)\]", l))}):
     mine = [l for l in kept if l.startswith(f"[{rank}]")]
-    out += [f"--- process {rank}: last {min(len(mine), lines_per_process)} lines"] + mine[-lines_per_process:]
+    shown = mine[-lines_per_process:]
+    out += [f"--- process {rank}: last {len(shown)} lines", *shown]
   return "\n".join(out + [l for l in kept if l.startswith("[launch]")])
 
 
