@@ -630,6 +630,22 @@ def fake_quant_expert_weights(params: nnx.State, settings: ExpertQuant, active=T
   return nnx.from_flat_state(flat)
 
 
+def cast_expert_weights(params: nnx.State, dtype) -> nnx.State:
+  """A copy of `params` in which every routed-expert weight is cast to `dtype` (the model's
+  compute dtype); other leaves are the same arrays.
+
+  Each grouped matmul casts its weight to the compute dtype and writes the weight gradient in
+  that dtype, so differentiating with respect to this copy gives the same gradients, bit for
+  bit, while the cast runs once per step instead of in every micro-batch's forward, recompute
+  and backward. The train step calls it once per step, before the micro-batches.
+  """
+  flat = list(nnx.to_flat_state(params))
+  for i, (path, var) in enumerate(flat):
+    if is_routed_expert_weight(tuple(path)):
+      flat[i] = (path, var.replace(var.get_value().astype(dtype)))
+  return nnx.from_flat_state(flat)
+
+
 def _path_name(path: tuple) -> str:
   return "/".join(str(p) for p in path)
 

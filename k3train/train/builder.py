@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx
@@ -86,7 +87,8 @@ def train_step_fn(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.Gra
                          qk_clip_tau=o.qk_clip_tau if o.qk_clip else None,
                          mla_nope_dim=cfg.model.mla.qk_nope_head_dim,
                          microbatches=cfg.train.microbatches, quant=cfg.model.quant,
-                         loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                         loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                         compute_dtype=jnp.dtype(cfg.model.dtype))
   return with_mtp_metrics(step) if cfg.model.mtp.enabled else step
 
 

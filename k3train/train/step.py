@@ -229,17 +229,25 @@ def _combine_rest(rest_stacked):
 
 
 def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
-                   loss_chunk_tokens: int = 0):
+                   loss_chunk_tokens: int = 0, forward_params=None):
   """(loss, (new rest, loss tokens), grads) for one step's batch, accumulated over micro-batches.
 
   microbatches == 1 is the plain value_and_grad of `forward_loss`. Otherwise the batch size must
   divide by it; gradients accumulate in fp32 inside a scan (one micro-batch's activations live at
-  a time) and come back in the parameters' dtype. loss_chunk_tokens: see `head_loss`.
+  a time). loss_chunk_tokens: see `head_loss`.
+
+  forward_params: a function params → the parameters the forward runs with (a once-per-step cast
+  of the routed-expert weights, `moe.cast_expert_weights`), applied before the micro-batches;
+  the gradients are taken with respect to its result. Gradients come back in the dtypes of
+  `params` either way.
   """
   loss_fn = functools.partial(forward_loss, loss_chunk_tokens=loss_chunk_tokens)
   grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+  run_params = params if forward_params is None else forward_params(params)
+  like_params = lambda grads: jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   if microbatches == 1:
-    return grad_fn(graphdef, params, rest, batch)
+    out, grads = grad_fn(graphdef, run_params, rest, batch)
+    return out, like_params(grads)
   size = batch["tokens"].shape[0]
   if size % microbatches:
     raise ValueError(f"batch of {size} rows does not split into train.microbatches={microbatches}")
@@ -252,15 +260,14 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
     mb, weight = xs
     mb = {k: constrain(v, *VISION_BATCH_KEYS[k]) if k in VISION_BATCH_KEYS else
           constrain(v, ax.BATCH, ax.SEQ) if v.ndim == 2 else v for k, v in mb.items()}
-    (loss, (new_rest, _)), grads = grad_fn(graphdef, params, rest, mb)
+    (loss, (new_rest, _)), grads = grad_fn(graphdef, run_params, rest, mb)
     grads_acc, loss_acc = acc
     grads_acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), grads_acc, grads)
     return (grads_acc, loss_acc + weight * loss), new_rest
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   (grads, loss), rest_n = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), (micro, weight_n))
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-  return (loss, (_combine_rest(rest_n), jnp.sum(tokens_n))), grads
+  return (loss, (_combine_rest(rest_n), jnp.sum(tokens_n))), like_params(grads)
 
 
 def spike_guard(loss, loss_ema, *, factor: float, decay: float):
@@ -300,8 +307,12 @@ def nonfinite_check(new_state: TrainState, grad_norm, skip) -> dict:
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_spike_factor: float = 0.0,
                     loss_spike_ema: float = 0.99, qk_clip_tau: float | None = None,
                     mla_nope_dim: int | None = None, microbatches: int = 1, quant=None,
-                    loss_chunk_tokens: int = 0):
+                    loss_chunk_tokens: int = 0, compute_dtype=None):
   """train_step(state, batch) -> (state, metrics); jit it with explicit shardings at the call site.
+
+  compute_dtype (`model.dtype`): when given and QAT is off, the routed-expert weights are cast to
+  it once per step, before the micro-batches (`moe.cast_expert_weights`: the same gradients, bit
+  for bit, without a cast in every micro-batch's forward, recompute and backward).
 
   quant: the `model.quant` config section (None or enabled=False: no QAT). From step
   quant.start_step on (a traced test of state.step, so resume is exact) the routed-expert weights
@@ -318,6 +329,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
   """
 
   qat = moe.expert_quant_from_config(quant) if quant is not None else None
+  forward_params = None
+  if qat is None and compute_dtype is not None:   # QAT paths re-quantise the fp32 weights
+    forward_params = functools.partial(moe.cast_expert_weights, dtype=compute_dtype)
 
   def train_step(state: TrainState, batch: dict):
     params_fwd, qat_on = state.params, None
@@ -326,7 +340,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
       params_fwd = moe.fake_quant_expert_weights(state.params, qat, qat_on)
     with moe.expert_quantization(qat, qat_on, weights_quantized=True), moe.qb_training_routing():
       (loss, (rest, n_tokens)), grads = loss_and_grads(graphdef, params_fwd, state.rest, batch,
-                                                       microbatches, loss_chunk_tokens=loss_chunk_tokens)
+                                                       microbatches, loss_chunk_tokens=loss_chunk_tokens,
+                                                       forward_params=forward_params)
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)

@@ -12,7 +12,12 @@ Terms besides the state (k3train/tools/plan/state.py) and the activations
                         overlaps this layer's compute), plus in backward its gradient in
                         model.param_dtype before the reduce-scatter (only `tensor` and `expert`
                         stay split inside a layer);
-  optimizer transient   3 × the largest local optimizer leaf during the update.
+  optimizer transient   3 × the largest local optimizer leaf during the update;
+  expert weights cast   the routed-expert weights in model.dtype, made once per step before the
+                        micro-batches and live through forward and backward (when model.dtype
+                        is narrower than model.param_dtype and QAT is off); the backward then
+                        writes the expert gradients in model.dtype, so the gradients term of
+                        the backward phase is smaller by the same difference of widths.
 
 With model.mtp on, the MTP module's share of the saved activations is listed on its own line
 (`activations.mtp_costs`).
@@ -101,10 +106,14 @@ def make_plan(cfg, state, sizes: Mapping[str, int], *, rules_name: str, seq_len:
   grads = sb.params
   accumulator = grads if microbatches > 1 else 0
   opt_transient = 3 * sb.largest_opt_leaf
+  cast_once = A < P and not cfg.model.quant.enabled
+  expert_cast = sb.expert_params * A if cast_once else 0
+  grads_bwd = grads - (sb.expert_params * (P - A) if cast_once else 0)
   static = sb.params + sb.rest + sb.opt
   phases = {
-      "forward": static + accumulator + gathered_fwd + acts.saved + acts.forward,
-      "backward": static + accumulator + grads + gathered_bwd + acts.saved + acts.working,
+      "forward": static + accumulator + expert_cast + gathered_fwd + acts.saved + acts.forward,
+      "backward": static + accumulator + expert_cast + grads_bwd + gathered_bwd + acts.saved
+                  + acts.working,
       "optimizer": static + grads + opt_transient,
   }
   dtype_note = f"{cfg.model.param_dtype}"
@@ -114,10 +123,14 @@ def make_plan(cfg, state, sizes: Mapping[str, int], *, rules_name: str, seq_len:
       ("model variables", sb.rest, "router bias, QB, loads, max logits"),
       ("optimizer state", sb.opt, f"{cfg.optim.optimizer}: mirrors the parameter shardings"
        + (f"; {len(sb.replicated_opt)} leaves replicated ({repl / GiB:.2f} GiB)" if repl else "")),
-      ("gradients", grads, f"{dtype_note}, sharded like the parameters"),
+      ("gradients", grads, f"{dtype_note}, sharded like the parameters"
+       + (f" (routed experts' in {cfg.model.dtype} during backward)" if cast_once else "")),
       ("gradient accumulator", accumulator,
        f"{microbatches} micro-batches: running sum, like the gradients" if microbatches > 1
        else "none (train.microbatches = 1)"),
+      ("expert weights cast", expert_cast,
+       f"routed-expert weights in {cfg.model.dtype}, cast once per step" if expert_cast
+       else "none (the grouped matmuls cast in place)"),
       ("gathered weights", gathered_bwd, f"largest layer ({unit_name}) in {cfg.model.dtype} ×2 "
        f"+ its {dtype_note} gradient"),
       ("saved activations", acts.saved, acts.saved_note),

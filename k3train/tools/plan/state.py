@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh
 
+from k3train.model import moe
 from k3train.parallel import axes as axes_lib
 from k3train.parallel import rules as rules_lib
 from k3train.parallel import state_sharding
@@ -84,6 +85,7 @@ class StateBytes:
   replicated_opt: list[tuple[str, int]]  # optimizer leaves (≥ 2-D) that mirror no parameter
   units: dict[str, int]                  # parameters per layer on one device once gathered over
                                          # fsdp / sequence / data (tensor and expert stay split)
+  expert_params: int = 0                 # local parameters of the routed-expert weights
 
 
 def _axes_of(spec) -> tuple[tuple[str, ...], ...]:
@@ -138,7 +140,7 @@ def state_bytes(layout: StateLayout, sizes: Mapping[str, int]) -> StateBytes:
   """Per-device bytes of the state on a mesh of resolved `sizes`; MeshError where the mesh does
   not divide a dimension."""
   totals = {"params": 0, "rest": 0, "opt": 0}
-  largest, replicated, units = 0, [], {}
+  largest, replicated, units, experts = 0, [], {}, 0
   for leaf in layout.leaves:
     local, kept = [], 1
     for dim, (size, axes) in enumerate(zip(leaf.shape, leaf.axes)):
@@ -158,7 +160,10 @@ def state_bytes(layout: StateLayout, sizes: Mapping[str, int]) -> StateBytes:
       if leaf.unit.startswith("scanned"):
         count //= leaf.shape[0]                        # one scan iteration at a time
       units[leaf.unit] = units.get(leaf.unit, 0) + count
-  return StateBytes(totals["params"], totals["rest"], totals["opt"], largest, replicated, units)
+      if moe.is_routed_expert_weight(tuple(leaf.name.split("."))):
+        experts += math.prod(local)
+  return StateBytes(totals["params"], totals["rest"], totals["opt"], largest, replicated, units,
+                    experts)
 
 
 __all__ = ["KEPT_IN_COMPUTE", "Leaf", "StateBytes", "StateLayout", "abstract_mesh", "state_bytes",
