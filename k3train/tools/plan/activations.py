@@ -32,7 +32,8 @@ grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by 
                               itself needs ~3 such [ep·n·k, ℓ] buffers at once (send, receive,
                               regrouped). Quantile Balancing compares each device's own
                               [n, E] fp32 margins (bisection over counts; forward only).
-  head                        embedding output, final norm, logits and the fp32 loss.
+  head                        embedding output, final norm, logits and their fp32 copy; the
+                              backward writes the logits gradient over those two buffers.
   fused head                  (train.loss_chunk_tokens = c > 0, k3train/train/head_loss.py) no
                               [n, V] array: saved until backward the dx residual [n, d] in
                               model.dtype and the fp32 dW residual [d, V] laid out as the head
@@ -46,9 +47,9 @@ grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by 
                               (hidden, embedding, attention, MLP, output), the proj output
                               [n, d] (a dot) and one MLA mixer and one MoE, as in a layer (no
                               AttnRes mix). Its output goes through the shared head a second
-                              time: unfused, the head input [n, d], logits [n, V] and fp32
-                              loss again (the fp32 d_logits as transient, not at the same time
-                              as the main head's); fused, a second dx [n, d] and fp32 dW [d, V]
+                              time: unfused, the head input [n, d], logits [n, V] and their
+                              fp32 copy again (their gradient written over them, as the main
+                              head's); fused, a second dx [n, d] and fp32 dW [d, V]
                               residual (the chunk loop runs again, after the main one, so its
                               forward buffers do not add).
 
@@ -289,8 +290,11 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
     out["head_chunk"] = Cost().add("fused head: chunk layout + one chunk's buffers (forward)",
                                    transient=fused_head_chunk_bytes(dims, A))
   else:
+    # Backward needs no [n, V] buffer beyond the two saved ones: XLA writes the fp32 logits
+    # gradient over the fp32 copy and its model-dtype cast over the logits (the H200 buffer report
+    # of k3_h200: one fp32 and one bf16 [n, V] allocation, each shared by two values).
     c.add("final norm + head logits + fp32 loss", dots=n * dims.vocab * A,
-          saved=n * d * (F + A) + n * dims.vocab * F, transient=n * dims.vocab * F * 2)
+          saved=n * d * (F + A) + n * dims.vocab * F)
   out["head"] = c + out["attn_res"]
   out["carry"] = Cost().add("scan carry: AttnRes block buffer + partial sum", saved=ns * n * d * A)
   if mtp_enabled(cfg):
@@ -322,7 +326,7 @@ def mtp_costs(dims: Dims, costs: Mapping[str, Cost], A: int) -> dict[str, Cost]:
              saved=dims.head_d * dims.head_vocab * F)
   else:
     head.add("mtp head: input [n, d], logits + fp32 loss", dots=n * v * A,
-             saved=n * d * A + n * v * F, transient=2 * n * v * F)
+             saved=n * d * A + n * v * F)   # gradient over the saved buffers, as the main head
   return {"mtp": block, "mtp_head": head}
 
 
