@@ -421,3 +421,39 @@ def test_h200_proxy_as_configured_fits_one_h200():
   whole.train.microbatches = 1
   (_, q), = stages_lib.stage_plans(whole, 1, device_memory_gib=141.0)
   assert not q.fits and q.peak > 2 * p.peak
+
+
+def test_expert_weight_copy_and_narrower_expert_gradients(tiny):
+  """bf16 compute with fp32 masters: the once-per-step bf16 copy of the routed-expert weights is
+  live in forward and backward, and the backward's expert gradients are bf16, so the backward
+  phase holds the copy and 2 bytes less per expert parameter of gradient; with QAT on (the
+  in-layer form) or an fp32 model neither term exists. Mesh fsdp=2, expert=2 under `full`."""
+  cfg, state = tiny
+  sizes = dict(data=1, fsdp=2, expert=2, sequence=1, tensor=1)
+  kw = dict(rules_name="full", seq_len=128, batch_per_device=2, remat="full", device_memory_gib=1.0)
+  rules = rules_lib.get_rules("full")
+  expert_local = 0
+  for path, var in jax.tree_util.tree_flatten_with_path(
+      state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    if tuple(path_names(path))[-2:] in (("experts", "gate"), ("experts", "up"), ("experts", "down")):
+      spec = rules_lib.logical_to_spec(tuple(var.get_metadata()["out_sharding"]), rules)
+      count = math.prod(var.get_value().shape)
+      for axes in spec:
+        axes = (axes,) if isinstance(axes, str) else (axes or ())
+        count //= math.prod(sizes[a] for a in axes)
+      expert_local += count
+  assert expert_local > 0
+
+  def planned(dtype, qat):
+    c = copy.deepcopy(cfg)
+    c.model.dtype, c.model.quant.enabled = dtype, qat
+    return plan.make_plan(c, state, sizes, **kw)
+
+  bf16, qat, fp32 = planned("bfloat16", False), planned("bfloat16", True), planned("float32", False)
+  assert _lines(bf16)["expert weights cast"] == 2 * expert_local
+  assert _lines(qat)["expert weights cast"] == _lines(fp32)["expert weights cast"] == 0
+  assert bf16.phases["forward"] - qat.phases["forward"] == 2 * expert_local
+  # Backward: the copy (+2 bytes per expert parameter) and the bf16 expert gradients (−2) cancel.
+  assert bf16.phases["backward"] == qat.phases["backward"]
+  assert fp32.phases["backward"] > bf16.phases["backward"]   # fp32 activations, no narrowing
+  assert bf16.phases["optimizer"] == qat.phases["optimizer"]
