@@ -29,6 +29,11 @@ bookkeeping) are "other". `--variants='name:key=value,key=value;…'` runs the s
 config variants in the same process (one JSON line each), so a baseline and a change are timed on
 the same machine in the same run. `--moe_loads` adds the per-step worst-layer max/mean expert
 load (Quantile Balancing's balance over the run).
+
+`--memory_report` has XLA dump the compiled step (`--xla_dump_to`, into `--dump_dir` or a
+temporary folder) and reads the buffers live at its memory peak from the dump's live-range file:
+`xla_peak_by_part_gib` sums them by the same parts as the profile ("arguments" for the step's
+inputs: state and batch), so the plan's terms can be checked one by one against XLA.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ def define(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("dump_dir", "", "with a profile: write <variant>_ops.json (every device op's "
                       "ms per step, part and source) and <variant>_hlo.txt.gz (the compiled step) "
                       "there", flag_values=fv)
+  flags.DEFINE_bool("memory_report", False, "dump the compiled step and report the buffers live "
+                    "at XLA's memory peak by part (xla_peak_by_part_gib)", flag_values=fv)
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:
@@ -155,6 +162,61 @@ def classify(location: str) -> str:
   """The part (PARTS) of an op from its "source:op_name", "other" if none of the scopes is in it."""
   scopes = set(re.split(r"[/()]", location.partition(":")[2]))
   return next((part for part in PARTS if part in scopes), "other")
+
+
+def peak_live_buffers(live_range_text: str) -> list[tuple[str, int]]:
+  """[(HLO instruction name, bytes)] of the buffers live at the memory peak, from the
+  "Live ranges at K (peak):" block of XLA's `*-live-range.txt` dump."""
+  out, inside = [], False
+  for line in live_range_text.splitlines():
+    if re.match(r"\s*Live ranges at \d+ \(peak\):", line):
+      inside = True
+      continue
+    if inside:
+      m = re.match(r"\s+([\w.\-]+)\{[^}]*\}: (\d+) bytes", line)
+      if m is None:
+        break
+      out.append((m.group(1), int(m.group(2))))
+  return out
+
+
+def entry_parameters(hlo_text: str) -> set[str]:
+  """Names of the ENTRY computation's parameter instructions (the step's inputs)."""
+  names, in_entry = set(), False
+  for line in hlo_text.splitlines():
+    if line.startswith("ENTRY"):
+      in_entry = True
+    elif in_entry and line.startswith("}"):
+      break
+    elif in_entry:
+      m = re.match(r"\s*%?([\w.\-]+)\s*=.*\sparameter\(\d+\)", line)
+      if m:
+        names.add(m.group(1))
+  return names
+
+
+def peak_by_part(live: list[tuple[str, int]], hlo_text: str) -> dict[str, int]:
+  """Bytes live at the peak by part (PARTS, "other", and "arguments" for the step's inputs),
+  largest first."""
+  where, params = op_locations(hlo_text), entry_parameters(hlo_text)
+  parts: dict[str, int] = collections.defaultdict(int)
+  for name, size in live:
+    parts["arguments" if name in params else classify(where.get(name, ""))] += size
+  return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+
+
+def memory_report(dump_dir: str, hlo_text: str) -> dict:
+  """The JSON keys of `--memory_report` from the newest live-range dump of the step."""
+  files = sorted(glob.glob(os.path.join(dump_dir, "*sharded_step*live-range.txt")),
+                 key=os.path.getmtime)
+  if not files:
+    return {"xla_peak_error": f"no live-range dump of the step in {dump_dir}"}
+  with open(files[-1]) as f:
+    live = peak_live_buffers(f.read())
+  if not live:
+    return {"xla_peak_error": f"no peak block in {files[-1]}"}
+  return {"xla_peak_live_gib": _gib(sum(b for _, b in live)),
+          "xla_peak_by_part_gib": {k: _gib(v) for k, v in peak_by_part(live, hlo_text).items()}}
 
 
 def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str]]:
@@ -296,7 +358,8 @@ def memory_row(compiled, cfg, device_count: int) -> dict:
   return row
 
 
-def measure(cfg, fv, name: str) -> dict:
+def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
+  """One JSON row for config `cfg`; xla_dump: where XLA dumps the step (`--memory_report`)."""
   import jax
   import numpy as np
   from k3train.data import pipeline
@@ -349,6 +412,8 @@ def measure(cfg, fv, name: str) -> dict:
          "peak_flops_per_device": peak_flops,
          "flops_per_token": size.flops_per_token, "compile_s": round(compile_s, 1),
          "loss_last": round(loss, 4), **peak, **memory_row(compiled, cfg, jax.device_count())}
+  if xla_dump:
+    row.update(memory_report(xla_dump, compiled.as_text()))
   if fv.profile_steps:
     trace_dir = fv.trace_dir or tempfile.mkdtemp(prefix="k3_trace_")
     trace_dir = os.path.join(trace_dir, name)
@@ -383,6 +448,13 @@ def main(argv=None) -> int:
     # CUDA graphs hide the ops they replay from the profiler: with a profile, every variant runs
     # (and is timed) without them.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+  xla_dump = ""
+  if args.flags.memory_report:
+    # XLA reads its flags once, when the backend starts: set before jax is imported.
+    xla_dump = os.path.join(args.flags.dump_dir, "xla") if args.flags.dump_dir else \
+        tempfile.mkdtemp(prefix="k3_xla_dump_")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={xla_dump}"
+                               " --xla_dump_hlo_module_re=sharded_step").strip()
   import jax
   fv = args.flags
   try:
@@ -397,7 +469,7 @@ def main(argv=None) -> int:
   for name, pairs in variants:
     cfg = apply_overrides(args.config, pairs)
     try:
-      row = measure(cfg, fv, name)
+      row = measure(cfg, fv, name, xla_dump)
     except Exception as e:                                   # noqa: BLE001
       row = {"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     row.update(env, overrides=pairs)

@@ -49,3 +49,45 @@ def test_moe_projections_and_shared_experts_carry_their_scope():
   shared = [n for n in names if "/ffn/" in n]
   assert shared and all(parts[n] == "moe_proj" for n in shared), parts
   assert {"moe_proj", "moe_gmm", "router"} <= set(parts.values()), parts
+
+
+PEAK_PROGRAM = r'''
+import sys
+import jax, jax.numpy as jnp
+
+def sharded_step(x, w):
+  with jax.named_scope("kda"):
+    y = jnp.tanh(x @ w)
+  with jax.named_scope("moe_gmm"):
+    return (y @ w.T) * 2.0, jnp.sin(y) @ w
+
+x = jnp.ones((512, 512), jnp.float32)
+compiled = jax.jit(sharded_step).lower(x, x).compile()
+with open(sys.argv[1], "w") as f:
+  f.write(compiled.as_text())
+'''
+
+
+def test_memory_report_reads_the_peak_from_the_live_range_dump(tmp_path):
+  """`--memory_report`'s reader on a real XLA:CPU dump of a small step: the buffers live at the
+  peak sum to the reported total, the two fp32 [512, 512] inputs (1 MiB each) count as
+  arguments, and the step's two outputs (1 MiB each, live at its end) as the scope that made
+  them."""
+  import os
+  import subprocess
+  import sys
+  dump, hlo = tmp_path / "xla", tmp_path / "hlo.txt"
+  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=sharded_step",
+             JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR="")
+  subprocess.run([sys.executable, "-c", PEAK_PROGRAM, str(hlo)], check=True, env=env, timeout=300)
+  script = _script()
+  report = script.memory_report(str(dump), hlo.read_text())
+  assert "xla_peak_error" not in report, report
+  parts, mib = report["xla_peak_by_part_gib"], 1 / 1024
+  total = report["xla_peak_live_gib"]
+  assert abs(sum(parts.values()) - total) <= 1e-3 * total, (parts, total)   # 4-digit rounding
+  assert abs(parts["arguments"] - 2 * mib) <= 1e-3 * mib, parts
+  assert parts.get("moe_gmm", 0) >= 2 * mib * (1 - 1e-3), parts
+  assert set(parts) <= {"arguments", "kda", "moe_gmm", "other"}, parts
+  # No dump: an error naming the folder, not an exception.
+  assert "xla_peak_error" in script.memory_report(str(tmp_path / "none"), "")
