@@ -33,7 +33,8 @@ load (Quantile Balancing's balance over the run).
 `--memory_report` has XLA dump the compiled step (`--xla_dump_to`, into `--dump_dir` or a
 temporary folder) and reads the buffers live at its memory peak from the dump's live-range file:
 `xla_peak_by_part_gib` sums them by the same parts as the profile ("arguments" for the step's
-inputs: state and batch), so the plan's terms can be checked one by one against XLA.
+inputs: state and batch; "loop carries" for values entering a loop body), and `xla_peak_top`
+lists the largest with their shapes, so the plan's terms can be checked one by one against XLA.
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ def classify(location: str) -> str:
   return next((part for part in PARTS if part in scopes), "other")
 
 
-def peak_live_buffers(live_range_text: str) -> list[tuple[str, int]]:
-  """[(HLO instruction name, bytes)] of the buffers live at the memory peak, from the
+def peak_live_buffers(live_range_text: str) -> list[tuple[str, str, int]]:
+  """[(HLO instruction name, shape index, bytes)] of the buffers live at the memory peak, from the
   "Live ranges at K (peak):" block of XLA's `*-live-range.txt` dump."""
   out, inside = [], False
   for line in live_range_text.splitlines():
@@ -173,36 +174,74 @@ def peak_live_buffers(live_range_text: str) -> list[tuple[str, int]]:
       inside = True
       continue
     if inside:
-      m = re.match(r"\s+([\w.\-]+)\{[^}]*\}: (\d+) bytes", line)
+      m = re.match(r"\s+([\w.\-]+)\{([^}]*)\}: (\d+) bytes", line)
       if m is None:
         break
-      out.append((m.group(1), int(m.group(2))))
+      out.append((m.group(1), m.group(2), int(m.group(3))))
   return out
 
 
-def entry_parameters(hlo_text: str) -> set[str]:
-  """Names of the ENTRY computation's parameter instructions (the step's inputs)."""
-  names, in_entry = set(), False
+def _tuple_elements(shape: str) -> list[str]:
+  """'(f32[2]{0}, /*index=1*/s32[])' → ['f32[2]{0}', 's32[]']; a non-tuple shape → [shape]."""
+  shape = re.sub(r"/\*.*?\*/", "", shape).strip()
+  if not shape.startswith("("):
+    return [shape]
+  out, depth, current = [], 0, ""
+  for ch in shape[1:-1]:
+    depth += (ch in "([{") - (ch in ")]}")
+    if ch == "," and depth == 0:
+      out.append(current.strip())
+      current = ""
+    else:
+      current += ch
+  return out + ([current.strip()] if current.strip() else [])
+
+
+def hlo_values(hlo_text: str) -> tuple[dict[str, str], set[str], set[str]]:
+  """(instruction name → result shape text, the ENTRY computation's parameters, every other
+  computation's parameters: loop carries and called-computation inputs)."""
+  inst = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\(")
+  shapes, entry, inner, in_entry = {}, set(), set(), False
   for line in hlo_text.splitlines():
-    if line.startswith("ENTRY"):
-      in_entry = True
-    elif in_entry and line.startswith("}"):
-      break
-    elif in_entry:
-      m = re.match(r"\s*%?([\w.\-]+)\s*=.*\sparameter\(\d+\)", line)
-      if m:
-        names.add(m.group(1))
-  return names
+    if not line.startswith(" "):
+      in_entry = line.startswith("ENTRY")
+      continue
+    m = inst.match(line)
+    if m:
+      shapes[m.group(1)] = m.group(2)
+      if m.group(3) == "parameter":
+        (entry if in_entry else inner).add(m.group(1))
+  return shapes, entry, inner
 
 
-def peak_by_part(live: list[tuple[str, int]], hlo_text: str) -> dict[str, int]:
-  """Bytes live at the peak by part (PARTS, "other", and "arguments" for the step's inputs),
-  largest first."""
-  where, params = op_locations(hlo_text), entry_parameters(hlo_text)
+def peak_breakdown(live: list[tuple[str, str, int]], hlo_text: str, top: int = 12) -> dict:
+  """Bytes live at the peak by part (PARTS, "other", "arguments" for the step's inputs, "loop
+  carries" for values entering a loop body or called computation), largest first, and the `top`
+  largest buffers with their shapes."""
+  where = op_locations(hlo_text)
+  shapes, entry, inner = hlo_values(hlo_text)
+
+  def part(name):
+    if name in entry:
+      return "arguments"
+    if name in inner:
+      return "loop carries"
+    return classify(where.get(name, ""))
+
+  def shape(name, index):
+    elements = _tuple_elements(shapes.get(name, ""))
+    if index == "":
+      return elements[0] if len(elements) == 1 else ""
+    first = index.split(",")[0]
+    return elements[int(first)] if first.isdigit() and int(first) < len(elements) else ""
+
   parts: dict[str, int] = collections.defaultdict(int)
-  for name, size in live:
-    parts["arguments" if name in params else classify(where.get(name, ""))] += size
-  return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+  for name, _, size in live:
+    parts[part(name)] += size
+  largest = sorted(live, key=lambda v: -v[2])[:top]
+  return {"by_part": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+          "top": [{"buffer": f"{n}{{{i}}}", "gib": _gib(b), "part": part(n),
+                   "shape": re.sub(r"\{[\d,]*\}$", "", shape(n, i))} for n, i, b in largest]}
 
 
 def memory_report(dump_dir: str, hlo_text: str) -> dict:
@@ -215,8 +254,10 @@ def memory_report(dump_dir: str, hlo_text: str) -> dict:
     live = peak_live_buffers(f.read())
   if not live:
     return {"xla_peak_error": f"no peak block in {files[-1]}"}
-  return {"xla_peak_live_gib": _gib(sum(b for _, b in live)),
-          "xla_peak_by_part_gib": {k: _gib(v) for k, v in peak_by_part(live, hlo_text).items()}}
+  found = peak_breakdown(live, hlo_text)
+  return {"xla_peak_live_gib": _gib(sum(b for *_, b in live)),
+          "xla_peak_by_part_gib": {k: _gib(v) for k, v in found["by_part"].items()},
+          "xla_peak_top": found["top"]}
 
 
 def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str]]:

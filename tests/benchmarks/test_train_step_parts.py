@@ -89,5 +89,8 @@ def test_memory_report_reads_the_peak_from_the_live_range_dump(tmp_path):
   assert abs(parts["arguments"] - 2 * mib) <= 1e-3 * mib, parts
   assert parts.get("moe_gmm", 0) >= 2 * mib * (1 - 1e-3), parts
   assert set(parts) <= {"arguments", "kda", "moe_gmm", "other"}, parts
+  top = report["xla_peak_top"]
+  assert [t["shape"] for t in top if t["part"] == "arguments"] == ["f32[512,512]"] * 2, top
+  assert all(t["gib"] <= total for t in top) and len(top) == len({t["buffer"] for t in top})
   # No dump: an error naming the folder, not an exception.
   assert "xla_peak_error" in script.memory_report(str(tmp_path / "none"), "")
