@@ -40,6 +40,24 @@ def relative_errors(names, reference, other) -> dict:
   return errors
 
 
+def mark_agreement(rows, errors: dict, limit: float, key: str = "agree") -> list[dict]:
+  """Stamps every row with the paths' `errors` (`relative_errors`) and key = (largest ≤ limit)."""
+  for r in rows:
+    r["max_err_rel_to_max"] = errors
+    r[key] = max(errors.values()) <= limit
+  return rows
+
+
+def over_shapes(shapes, measure) -> list[dict]:
+  """measure(*dims(shape)) for each shape text, every row printed as soon as it is measured
+  (`emit`, with the run's `environment`); all rows, in order."""
+  env = environment()
+  rows = []
+  for shape in shapes:
+    rows += emit(measure(*dims(shape)), env)
+  return rows
+
+
 def emit(rows, env: dict) -> list[dict]:
   """Adds `env` to each row, prints it as one JSON line as soon as it is measured; returns them."""
   import json

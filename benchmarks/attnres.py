@@ -78,10 +78,7 @@ def measure(b: int, t: int, d: int, num_slots: int, iters: int) -> list[dict]:
   (out_r, grads_r), (out_s, grads_s) = results["reference"], results["stream"]
   errors = _record.relative_errors(("out", "d_blocks", "d_p", "d_query", "d_gain"),
                                    (out_r, *grads_r), (out_s, *grads_s))
-  for r in rows:
-    r["max_err_rel_to_max"] = errors
-    r["agree_bf16"] = max(errors.values()) <= AGREE
-  return rows
+  return _record.mark_agreement(rows, errors, AGREE, key="agree_bf16")
 
 
 def main(argv=None) -> int:
@@ -89,11 +86,7 @@ def main(argv=None) -> int:
   if args.exit_code is not None:
     return args.exit_code
   f = args.flags
-  env = _record.environment()
-  rows = []
-  for shape in f.shapes:
-    b, t, d = _record.dims(shape)
-    rows += _record.emit(measure(b, t, d, f.blocks, f.iters), env)
+  rows = _record.over_shapes(f.shapes, lambda b, t, d: measure(b, t, d, f.blocks, f.iters))
   print(f"{'shape':>14} {'path':>9} {'fwd ms':>8} {'fwd+bwd ms':>10} agree")
   for r in rows:
     print(f"{r['shape']:>14} {r['path']:>9} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>10.3f} "

@@ -91,10 +91,7 @@ def measure(tokens: int, k: int, n: int, iters: int) -> list[dict]:
                  "fwd_tflops": round(flops / fwd_s / 1e12, 1),
                  "fwd_bwd_tflops": round(3 * flops / both_s / 1e12, 1)})
   errors = _record.relative_errors(("y", "dx", "dw"), results["convert"], results["direct"])
-  for r in rows:
-    r["max_err_rel_to_max"] = errors
-    r["agree"] = max(errors.values()) <= AGREE
-  return rows
+  return _record.mark_agreement(rows, errors, AGREE)
 
 
 def main(argv=None) -> int:
@@ -102,11 +99,7 @@ def main(argv=None) -> int:
   if args.exit_code is not None:
     return args.exit_code
   f = args.flags
-  env = _record.environment()
-  rows = []
-  for shape in f.shapes:
-    k, n = _record.dims(shape)
-    rows += _record.emit(measure(f.tokens, k, n, f.iters), env)
+  rows = _record.over_shapes(f.shapes, lambda k, n: measure(f.tokens, k, n, f.iters))
   print(f"{'tokens×K×N':>16} {'path':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s':>8} agree")
   for r in rows:
     print(f"{r['shape']:>16} {r['path']:>8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>10.3f} "

@@ -616,15 +616,19 @@ def fake_quant_expert_weights(params: nnx.State, settings: ExpertQuant, active=T
   the update of the fp32 master weights is the straight-through one. `active` may be traced
   (`lax.cond`); other leaves pass through unchanged.
   """
+  quantise = lambda ws: [mx.quantize_dequantize(w, settings.weights, axis=-2,
+                                                rule=settings.scale_rule) for w in ws]
+  return _replace_expert_weights(params, lambda ws: jax.lax.cond(active, quantise, list, ws))
+
+
+def _replace_expert_weights(params: nnx.State, new_values) -> nnx.State:
+  """A copy of `params` whose routed-expert weights are new_values(list of their arrays); other
+  leaves are the same arrays. `params` itself when it holds no routed experts."""
   flat = list(nnx.to_flat_state(params))
   chosen = [i for i, (path, _) in enumerate(flat) if is_routed_expert_weight(tuple(path))]
   if not chosen:
     return params
-  values = [flat[i][1].get_value() for i in chosen]
-  quantise = lambda ws: [mx.quantize_dequantize(w, settings.weights, axis=-2,
-                                                rule=settings.scale_rule) for w in ws]
-  new = jax.lax.cond(active, quantise, list, values)
-  for i, value in zip(chosen, new):
+  for i, value in zip(chosen, new_values([flat[i][1].get_value() for i in chosen])):
     path, var = flat[i]
     flat[i] = (path, var.replace(value))
   return nnx.from_flat_state(flat)
@@ -639,11 +643,7 @@ def cast_expert_weights(params: nnx.State, dtype) -> nnx.State:
   bit, while the cast runs once per step instead of in every micro-batch's forward, recompute
   and backward. The train step calls it once per step, before the micro-batches.
   """
-  flat = list(nnx.to_flat_state(params))
-  for i, (path, var) in enumerate(flat):
-    if is_routed_expert_weight(tuple(path)):
-      flat[i] = (path, var.replace(var.get_value().astype(dtype)))
-  return nnx.from_flat_state(flat)
+  return _replace_expert_weights(params, lambda ws: [w.astype(dtype) for w in ws])
 
 
 def _path_name(path: tuple) -> str:
