@@ -1,18 +1,22 @@
-"""Quantile Balancing's bisection, unrolled or as a loop: device time of one QB call.
+"""Quantile Balancing's order statistic: device time of one QB call per selection setting.
 
   python benchmarks/qb_bisection.py [--tokens=8192] [--experts=64,896] [--top_k=8,16] [--iters=200]
 
 One QB call (`k3train.model.moe.quantile_balancing_bias`: the (k+1)-th largest biased score per
-token, then the per-expert quantile of the margins by 32 bisection rounds) on random sigmoid
-scores, jitted once per `bisection_unroll` setting: True (32 rounds unrolled, no loop), 8, 4, 1
-(a loop of 4, 8 or 32 iterations). Prints one JSON line per (shape, setting) with the median of
-`--iters` calls and the compile time, then a table. All settings return the same bits (checked).
+token, then the per-expert quantile of the margins by radix selection over the float bits) on
+random sigmoid scores, jitted once per (digit_bits, bisection_unroll) setting: 1 bit per round
+(32 rounds) unrolled or as a loop, 2, 4 and 8 bits per round (16, 8, 4 rounds). A row
+"cutoff only" times the per-token top-k alone, the part every setting shares. Prints one JSON
+line per (shape, setting) with the median of `--iters` calls, the compile time and the number of
+kernels (fusions and custom calls) in the compiled call, then a table. All settings return the
+bits of the first (checked).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -26,7 +30,7 @@ from benchmarks import _flags, _record  # noqa: E402
 from k3train.model.moe import quantile_balancing_bias  # noqa: E402
 
 PROG = "python benchmarks/qb_bisection.py"
-SETTINGS = (True, 8, 4, 1)
+SETTINGS = ((1, True), (1, 1), (2, True), (4, True), (4, 1), (8, True))   # (digit_bits, unroll)
 FLAGS = (
     _flags.Flag("tokens", "int", 8192, "tokens of the score matrix"),
     _flags.Flag("experts", "list", ["64", "896"], "experts per case"),
@@ -35,12 +39,24 @@ FLAGS = (
 )
 
 
-def measure(tokens: int, experts: int, top_k: int, unroll, iters: int) -> dict:
+def kernel_count(hlo_text: str) -> int:
+  """Fusions and custom calls of a compiled module: the kernels one call launches (loops aside)."""
+  return sum(1 for line in hlo_text.splitlines()
+             if re.search(r"=\s*\S+\s+(fusion|custom-call)\(", line))
+
+
+def measure(tokens: int, experts: int, top_k: int, setting, iters: int) -> dict:
+  """setting: (digit_bits, unroll), or "cutoff" for the per-token top-k alone."""
   key = jax.random.key(0)
   scores = jax.nn.sigmoid(jax.random.normal(key, (tokens, experts), jnp.float32))
   bias = jnp.zeros((experts,), jnp.float32)
   mask = jnp.ones((tokens,), bool)
-  fn = jax.jit(lambda s, b, m: quantile_balancing_bias(s, b, m, top_k, bisection_unroll=unroll))
+  if setting == "cutoff":
+    fn = jax.jit(lambda s, b, m: jax.lax.top_k(s + b, top_k + 1)[0][:, top_k])
+  else:
+    bits, unroll = setting
+    fn = jax.jit(lambda s, b, m: quantile_balancing_bias(s, b, m, top_k, bisection_unroll=unroll,
+                                                         digit_bits=bits))
   t0 = time.perf_counter()
   compiled = fn.lower(scores, bias, mask).compile()
   compile_s = time.perf_counter() - t0
@@ -50,7 +66,9 @@ def measure(tokens: int, experts: int, top_k: int, unroll, iters: int) -> dict:
     t0 = time.perf_counter()
     compiled(scores, bias, mask).block_until_ready()
     times.append(time.perf_counter() - t0)
-  return {"tokens": tokens, "experts": experts, "top_k": top_k, "unroll": unroll,
+  return {"tokens": tokens, "experts": experts, "top_k": top_k,
+          "setting": setting if setting == "cutoff" else f"{setting[0]} bit, unroll {setting[1]}",
+          "kernels": kernel_count(compiled.as_text()),
           "median_us": round(1e6 * float(np.median(times)), 1),
           "min_us": round(1e6 * float(np.min(times)), 1), "compile_s": round(compile_s, 2),
           "bias": np.asarray(out)}
@@ -71,18 +89,20 @@ def main(argv=None) -> int:
   rows = []
   for e, k in zip(experts, top_ks):
     ref = None
-    for unroll in SETTINGS:
-      r = measure(tokens, e, k, unroll, iters)
+    for setting in SETTINGS + ("cutoff",):
+      r = measure(tokens, e, k, setting, iters)
       bias = r.pop("bias")
-      ref = bias if ref is None else ref
-      r["same_bits_as_unrolled"] = bool(np.array_equal(bias.view(np.uint32), ref.view(np.uint32)))
+      if setting != "cutoff":
+        ref = bias if ref is None else ref
+        r["same_bits_as_first"] = bool(np.array_equal(bias.view(np.uint32), ref.view(np.uint32)))
       r.update(env)
       rows.append(r)
       print(json.dumps(r), flush=True)
-  print(f"{'tokens':>7} {'experts':>7} {'top_k':>5} {'unroll':>6} {'median us':>10} {'compile s':>9} same")
+  print(f"{'tokens':>7} {'experts':>7} {'top_k':>5} {'setting':>20} {'kernels':>7} {'median us':>10} "
+        f"{'compile s':>9} same")
   for r in rows:
-    print(f"{r['tokens']:>7} {r['experts']:>7} {r['top_k']:>5} {str(r['unroll']):>6} "
-          f"{r['median_us']:>10.1f} {r['compile_s']:>9.2f} {r['same_bits_as_unrolled']}")
+    print(f"{r['tokens']:>7} {r['experts']:>7} {r['top_k']:>5} {r['setting']:>20} {r['kernels']:>7} "
+          f"{r['median_us']:>10.1f} {r['compile_s']:>9.2f} {r.get('same_bits_as_first', '-')}")
   return 0
 
 

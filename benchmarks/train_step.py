@@ -30,6 +30,14 @@ config variants in the same process (one JSON line each), so a baseline and a ch
 the same machine in the same run. `--moe_loads` adds the per-step worst-layer max/mean expert
 load (Quantile Balancing's balance over the run).
 
+Compile time is also split: `trace_lower_s` (tracing to a jaxpr and lowering to StableHLO),
+`backend_compile_s` (XLA), and `jax_compile_events_s` (jax's own duration events: jaxpr trace,
+MLIR lowering, backend compile). `kernels` counts the fusions and custom calls of the compiled
+step, `kernels_by_part` the same by part: what the backend compiles and tunes one by one.
+`--compile_profile` traces the host during the compile (Python tracer off) and reports
+`compile_events`: the longest named host activities of XLA's compiler (passes, autotuning,
+LLVM and PTX compilation), inclusive seconds and counts, so compile time can be taken apart.
+
 `--memory_report` has XLA dump the compiled step (`--xla_dump_to`, into `--dump_dir` or a
 temporary folder) and reads the buffers live at its memory peak from the dump's live-range file:
 `xla_peak_by_part_gib` sums them by the same parts as the profile ("arguments" for the step's
@@ -82,6 +90,8 @@ def define(fv: flags.FlagValues) -> None:
                       "there", flag_values=fv)
   flags.DEFINE_bool("memory_report", False, "dump the compiled step and report the buffers live "
                     "at XLA's memory peak by part (xla_peak_by_part_gib)", flag_values=fv)
+  flags.DEFINE_bool("compile_profile", False, "trace the host while the step compiles and report "
+                    "XLA's compile phases (compile_events)", flag_values=fv)
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:
@@ -260,6 +270,44 @@ def memory_report(dump_dir: str, hlo_text: str) -> dict:
           "xla_peak_top": found["top"]}
 
 
+def compile_events(trace_dir: str, top: int = 30) -> dict[str, list]:
+  """{host activity name: [inclusive seconds, count]} of the newest trace's host planes, the
+  `top` longest; Python frames ("$file:line …") and the profiler's own events are left out.
+  Nested activities each count their whole span, so the numbers overlap and do not add up."""
+  import jax
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
+                 key=os.path.getmtime)
+  if not paths:
+    return {}
+  data = jax.profiler.ProfileData.from_file(paths[-1])
+  total: dict[str, float] = collections.defaultdict(float)
+  count: dict[str, int] = collections.defaultdict(int)
+  for plane in data.planes:
+    if not plane.name.startswith("/host:"):
+      continue
+    for line in plane.lines:
+      for event in line.events:
+        if event.name.startswith("$"):
+          continue
+        total[event.name] += event.duration_ns * 1e-9
+        count[event.name] += 1
+  longest = sorted(total, key=total.get, reverse=True)[:top]
+  return {name[:160]: [round(total[name], 2), count[name]] for name in longest}
+
+
+def kernels_by_part(hlo_text: str) -> dict[str, int]:
+  """Fusions and custom calls of a compiled module (the kernels the backend compiles, tunes and
+  launches) counted by part, as the profile assigns them (`op_locations`, `classify`)."""
+  where = op_locations(hlo_text)
+  kernel = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+(?:fusion|custom-call)\(")
+  counts: dict[str, int] = collections.defaultdict(int)
+  for line in hlo_text.splitlines():
+    m = kernel.match(line)
+    if m:
+      counts[classify(where.get(m.group(1), ""))] += 1
+  return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str]]:
   """{HLO op name: total device seconds} from the newest xplane trace, and the line names seen."""
   import jax
@@ -418,9 +466,31 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   # Compiled once, ahead of time, on the first batch: the executable is the one timed, profiled
   # and whose memory analysis is read (it keeps the jitted step's shardings and state donation).
   batch = run.layout.global_batch(next(data))
+  events: dict[str, float] = collections.defaultdict(float)
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, seconds, **_: events.__setitem__(event, events[event] + seconds))
+  compile_trace = tempfile.mkdtemp(prefix="k3_compile_trace_") if fv.compile_profile else ""
+  if compile_trace:
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.host_tracer_level = 2
+    jax.profiler.start_trace(compile_trace, profiler_options=options)
   t0 = time.perf_counter()
-  compiled = run.step.lower(state, batch).compile()
-  compile_s = time.perf_counter() - t0
+  lowered = run.step.lower(state, batch)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  if compile_trace:
+    jax.profiler.stop_trace()
+  compile_s = t2 - t0
+  hlo_text = compiled.as_text() or ""
+  compile_row = {"trace_lower_s": round(t1 - t0, 1), "backend_compile_s": round(t2 - t1, 1),
+                 "jax_compile_events_s": {k.rsplit("/", 1)[-1]: round(v, 1) for k, v in events.items()
+                                          if k.startswith("/jax/core/compile/")},
+                 "kernels_by_part": kernels_by_part(hlo_text)}
+  compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
+  if compile_trace:
+    compile_row["compile_events"] = compile_events(compile_trace)
 
   def one_step(state, batch=None):
     if batch is None:
@@ -451,18 +521,15 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
          "tokens_per_step": tokens, "tokens_per_s": round(tps, 1),
          "mfu": round(metrics_lib.mfu(tps, size.flops_per_token, peak_flops, 1), 4),
          "peak_flops_per_device": peak_flops,
-         "flops_per_token": size.flops_per_token, "compile_s": round(compile_s, 1),
+         "flops_per_token": size.flops_per_token, "compile_s": round(compile_s, 1), **compile_row,
          "loss_last": round(loss, 4), **peak, **memory_row(compiled, cfg, jax.device_count())}
   if xla_dump:
-    row.update(memory_report(xla_dump, compiled.as_text()))
+    row.update(memory_report(xla_dump, hlo_text))
   if fv.profile_steps:
     trace_dir = fv.trace_dir or tempfile.mkdtemp(prefix="k3_trace_")
     trace_dir = os.path.join(trace_dir, name)
-    hlo_text = ""
-    try:
-      hlo_text = compiled.as_text()
-    except Exception as e:                                   # noqa: BLE001
-      row["hlo_error"] = str(e).splitlines()[0][:200]
+    if not hlo_text:
+      row["hlo_error"] = "the compiled step has no HLO text"
     with jax.profiler.trace(trace_dir):
       for _ in range(fv.profile_steps):
         state, loss = one_step(state)

@@ -155,7 +155,8 @@ class Router(nnx.Module):
 
 
 def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_t: jax.Array,
-                            top_k: int, *, bisection_unroll: int | bool | None = None) -> jax.Array:
+                            top_k: int, *, bisection_unroll: int | bool | None = None,
+                            digit_bits: int | None = None) -> jax.Array:
   """One Quantile-Balancing step (docs/maths.md §5.3), in sigmoid-score space, over real tokens.
 
       α_t  = (k+1)-th largest over e of (s_te + b_e)     token cutoff with the current bias
@@ -169,11 +170,12 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
   unchanged; with top_k == E every expert takes every token and the result is zeros.
   The result is wrapped in stop_gradient.
 
-  The quantile is an exact order statistic found by bisection over the float bit patterns
-  (`kth_largest_per_column`): 32 rounds of per-expert counts, so under data sharding only [E]
-  counts are all-reduced, never the [T, E] margins, and the result equals a sort's bit for bit.
-  bisection_unroll: how many of those rounds one loop iteration runs (True: all 32, no loop;
-  None: `default_bisection_unroll()`).
+  The quantile is an exact order statistic found by radix selection over the float bit
+  patterns (`kth_largest_per_column`): 32 / digit_bits rounds of per-expert counts, so under data
+  sharding only [E, 2^digit_bits − 1] counts are all-reduced, never the [T, E] margins, and the
+  result equals a sort's bit for bit. bisection_unroll: how many of those rounds one loop
+  iteration runs (True: all, no loop); None for either: `default_bisection_unroll()`,
+  `default_digit_bits()`.
   """
   scores_te = jax.lax.stop_gradient(scores_te.astype(jnp.float32))
   bias_e = jax.lax.stop_gradient(bias_e.astype(jnp.float32))
@@ -189,7 +191,9 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
   q = jnp.clip((m_real * top_k) // num_experts, 0, jnp.maximum(m_real - 1, 0))
   if bisection_unroll is None:
     bisection_unroll = default_bisection_unroll()
-  beta_e = kth_largest_per_column(margin_te, q, unroll=bisection_unroll)
+  if digit_bits is None:
+    digit_bits = default_digit_bits()
+  beta_e = kth_largest_per_column(margin_te, q, unroll=bisection_unroll, digit_bits=digit_bits)
   new_bias_e = -beta_e
   new_bias_e = new_bias_e - jnp.mean(new_bias_e)
   return jax.lax.stop_gradient(jnp.where(m_real > 0, new_bias_e, bias_e))
@@ -200,6 +204,12 @@ def default_bisection_unroll() -> int | bool:
   longer, benchmarks/qb_bisection.md), a loop of 32 elsewhere: on CPU the unrolled rounds
   multiply the step's compile time for no run-time gain. Same bits either way."""
   return True if jax.default_backend() == "gpu" else 1
+
+
+def default_digit_bits() -> int:
+  """Bits of the order statistic fixed per selection round (32 / bits rounds). Same bits for
+  every choice."""
+  return 4 if jax.default_backend() == "gpu" else 1
 
 
 def _ordered_uint32(x: jax.Array) -> jax.Array:
@@ -215,24 +225,35 @@ def _from_ordered_uint32(u: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def kth_largest_per_column(x_te: jax.Array, k: jax.Array, *, unroll: int | bool = True) -> jax.Array:
+def kth_largest_per_column(x_te: jax.Array, k: jax.Array, *, unroll: int | bool = True,
+                           digit_bits: int = 1) -> jax.Array:
   """[E]: the (k+1)-th largest value of each column of x_te [T, E] (k dynamic, 0 ≤ k < T).
 
-  Bit-by-bit bisection on the order-preserving uint32 image of the floats: keep the largest
-  threshold u with #{t : x_te ≥ u} ≥ k + 1. Each of the 32 rounds needs only per-column counts,
-  so a token axis sharded over devices costs one [E] all-reduce per round; the answer is an
+  Radix selection on the order-preserving uint32 image of the floats: keep the largest threshold
+  u with #{t : x_te ≥ u} ≥ k + 1, fixing `digit_bits` bits of u per round (32 / digit_bits
+  rounds, most significant first). A round counts, per column, the elements at or above each of
+  the 2^digit_bits − 1 non-zero candidate digits and keeps the largest digit whose count reaches
+  k + 1 (counts fall as the digit grows). Rounds need only per-column counts, so a token axis
+  sharded over devices costs one [E, 2^digit_bits − 1] all-reduce per round; the answer is an
   element of the column (NaN-free input assumed), equal to sorting. `unroll` rounds run per loop
-  iteration (True: all 32 unrolled, no loop; every setting gives the same bits).
+  iteration (True: all unrolled, no loop). Every (unroll, digit_bits) gives the same bits.
   """
+  if digit_bits not in (1, 2, 4, 8):
+    raise ValueError(f"digit_bits must be 1, 2, 4 or 8 (a divisor of 32 up to 8), got {digit_bits}")
+  rounds = 32 // digit_bits
   u_te = _ordered_uint32(x_te)
   need = (k + 1).astype(jnp.int32)
+  digits_d = jnp.arange(1, 2 ** digit_bits, dtype=jnp.uint32)           # candidate digits, 0 excluded
 
-  def one_bit(i, ans_e):                     # bits 31 … 0, most significant first
-    cand_e = ans_e | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
-    count_e = jnp.sum(u_te >= cand_e[None, :], axis=0, dtype=jnp.int32)
-    return jnp.where(count_e >= need, cand_e, ans_e)
+  def one_digit(i, ans_e):                   # digit i of `rounds`, most significant first
+    shift = (32 - digit_bits * (i + 1)).astype(jnp.uint32)
+    cand_ed = ans_e[:, None] | jnp.left_shift(digits_d, shift)[None, :]
+    count_ed = jnp.sum(u_te[:, :, None] >= cand_ed[None], axis=0, dtype=jnp.int32)
+    digit_e = jnp.sum(count_ed >= need, axis=1, dtype=jnp.int32).astype(jnp.uint32)
+    return ans_e | jnp.left_shift(digit_e, shift)
 
-  ans_e = jax.lax.fori_loop(0, 32, one_bit, jnp.zeros((x_te.shape[1],), jnp.uint32), unroll=unroll)
+  ans_e = jax.lax.fori_loop(0, rounds, one_digit, jnp.zeros((x_te.shape[1],), jnp.uint32),
+                            unroll=unroll)
   return _from_ordered_uint32(ans_e)
 
 

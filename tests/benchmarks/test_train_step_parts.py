@@ -94,3 +94,39 @@ def test_memory_report_reads_the_peak_from_the_live_range_dump(tmp_path):
   assert all(t["gib"] <= total for t in top) and len(top) == len({t["buffer"] for t in top})
   # No dump: an error naming the folder, not an exception.
   assert "xla_peak_error" in script.memory_report(str(tmp_path / "none"), "")
+
+
+def test_kernels_by_part_counts_the_compiled_steps_fusions_by_scope():
+  """The compiled step's kernels by part: a small two-scope program compiled by XLA:CPU has its
+  tanh fusion in "kda" and its multiply fusion in "moe_gmm", and the counts add up to every
+  fusion and custom call of the module."""
+  def sharded_step(x, w):
+    with jax.named_scope("kda"):
+      y = jnp.tanh(x) * 3.0 + 1.0
+    with jax.named_scope("moe_gmm"):
+      return y @ w, jnp.sin(y) * w
+  x = jnp.ones((64, 64), jnp.float32)
+  text = jax.jit(sharded_step).lower(x, x).compile().as_text()
+  counts = _script().kernels_by_part(text)
+  every = len(re.findall(r"=\s*\S+\s+(?:fusion|custom-call)\(", text))
+  assert sum(counts.values()) == every > 0, (counts, every)
+  assert counts.get("kda", 0) >= 1 and counts.get("moe_gmm", 0) >= 1, counts
+
+
+def test_compile_events_name_the_compilers_host_activities(tmp_path):
+  """`--compile_profile`'s reader on a real host trace of a compile: XLA's compile activities
+  appear with positive inclusive seconds and counts, Python frames are left out, and the list is
+  ordered longest first."""
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  options.host_tracer_level = 2
+  x = jnp.ones((128, 128), jnp.float32)
+  jax.profiler.start_trace(str(tmp_path), profiler_options=options)
+  jax.jit(lambda a: jnp.tanh(a @ a.T).sum()).lower(x).compile()
+  jax.profiler.stop_trace()
+  events = _script().compile_events(str(tmp_path))
+  assert events and not any(name.startswith("$") for name in events), events
+  assert any("Compile" in name for name in events), events
+  seconds = [s for s, _ in events.values()]
+  assert seconds == sorted(seconds, reverse=True) and seconds[0] > 0
+  assert all(n >= 1 for _, n in events.values())

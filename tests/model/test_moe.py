@@ -380,11 +380,12 @@ def test_qb_bias_update_requires_the_bias():
     moe_lib.qb_bias_update(nnx.state(moe, moe_lib.QBPending))
 
 
-@pytest.mark.parametrize("unroll", [True, 4, 1])
-def test_kth_largest_per_column_equals_a_sort(unroll):
-  # QB's exact order statistic by bit bisection over counts (no [T, E] sort or gather):
+@pytest.mark.parametrize("unroll, digit_bits", [(True, 1), (4, 1), (1, 1), (True, 2), (1, 4),
+                                                 (True, 4), (2, 8)])
+def test_kth_largest_per_column_equals_a_sort(unroll, digit_bits):
+  # QB's exact order statistic by radix selection over counts (no [T, E] sort or gather):
   # the same element a descending sort puts at index k, including ±0 ties, −inf padding and
-  # values across six decades; unrolled or as a loop of 8 or 32 iterations.
+  # values across six decades; 1, 2, 4 or 8 bits per round, unrolled or as a loop.
   from k3train.model.moe import kth_largest_per_column
   rng = np.random.default_rng(0)
   for _ in range(20):
@@ -393,5 +394,14 @@ def test_kth_largest_per_column_equals_a_sort(unroll):
     x[rng.random((50, 7)) < 0.1] = 0.0
     x[:3] = -0.0
     k = int(rng.integers(0, 50))
-    got = np.asarray(kth_largest_per_column(jnp.asarray(x), jnp.int32(k), unroll=unroll))
+    got = np.asarray(kth_largest_per_column(jnp.asarray(x), jnp.int32(k), unroll=unroll,
+                                            digit_bits=digit_bits))
     np.testing.assert_array_equal(got, -np.sort(-x, axis=0)[k])
+    one_bit = np.asarray(kth_largest_per_column(jnp.asarray(x), jnp.int32(k), digit_bits=1))
+    np.testing.assert_array_equal(got.view(np.uint32), one_bit.view(np.uint32))   # ±0 too
+
+
+def test_kth_largest_per_column_rejects_digit_widths_that_do_not_divide_32():
+  from k3train.model.moe import kth_largest_per_column
+  with pytest.raises(ValueError, match="digit_bits must be 1, 2, 4 or 8"):
+    kth_largest_per_column(jnp.zeros((4, 3)), jnp.int32(0), digit_bits=3)
