@@ -37,6 +37,8 @@ step, `kernels_by_part` the same by part: what the backend compiles and tunes on
 `--compile_profile` traces the host during the compile (Python tracer off) and reports
 `compile_events`: the longest named host activities of XLA's compiler (passes, autotuning,
 LLVM and PTX compilation), inclusive seconds and counts, so compile time can be taken apart.
+`--lower_profile` runs tracing and lowering under cProfile and reports `lower_profile`: the
+functions with the most cumulative and the most own time (seconds, calls, file:line(name)).
 
 `--memory_report` has XLA dump the compiled step (`--xla_dump_to`, into `--dump_dir` or a
 temporary folder) and reads the buffers live at its memory peak from the dump's live-range file:
@@ -90,6 +92,8 @@ def define(fv: flags.FlagValues) -> None:
                       "there", flag_values=fv)
   flags.DEFINE_bool("memory_report", False, "dump the compiled step and report the buffers live "
                     "at XLA's memory peak by part (xla_peak_by_part_gib)", flag_values=fv)
+  flags.DEFINE_bool("lower_profile", False, "profile tracing and lowering with cProfile and report "
+                    "the functions taking longest (lower_profile)", flag_values=fv)
   flags.DEFINE_bool("compile_profile", False, "trace the host while the step compiles and report "
                     "XLA's compile phases (compile_events)", flag_values=fv)
 
@@ -295,6 +299,22 @@ def compile_events(trace_dir: str, top: int = 30) -> dict[str, list]:
   return {name[:160]: [round(total[name], 2), count[name]] for name in longest}
 
 
+def python_profile(profiler, top: int = 50) -> dict[str, list]:
+  """The `top` functions of a cProfile run by cumulative time and by own time:
+  {"cumulative": [[seconds, calls, "file:line(name)"], …], "own": […]}."""
+  import pstats
+  stats = pstats.Stats(profiler).stats             # {(file, line, name): (cc, nc, tt, ct, callers)}
+
+  def where(key):
+    file, line, name = key
+    return f"{'/'.join(file.split('/')[-3:])}:{line}({name})"
+
+  def longest(index):
+    keys = sorted(stats, key=lambda k: stats[k][index], reverse=True)[:top]
+    return [[round(stats[k][index], 2), stats[k][1], where(k)] for k in keys]
+  return {"cumulative": longest(3), "own": longest(2)}
+
+
 def kernels_by_part(hlo_text: str) -> dict[str, int]:
   """Fusions and custom calls of a compiled module (the kernels the backend compiles, tunes and
   launches) counted by part, as the profile assigns them (`op_locations`, `classify`)."""
@@ -475,9 +495,16 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
     options.python_tracer_level = 0
     options.host_tracer_level = 2
     jax.profiler.start_trace(compile_trace, profiler_options=options)
+  profiler = None
+  if fv.lower_profile:
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
   t0 = time.perf_counter()
   lowered = run.step.lower(state, batch)
   t1 = time.perf_counter()
+  if profiler is not None:
+    profiler.disable()
   compiled = lowered.compile()
   t2 = time.perf_counter()
   if compile_trace:
@@ -491,6 +518,8 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
   if compile_trace:
     compile_row["compile_events"] = compile_events(compile_trace)
+  if profiler is not None:
+    compile_row["lower_profile"] = python_profile(profiler)
 
   def one_step(state, batch=None):
     if batch is None:

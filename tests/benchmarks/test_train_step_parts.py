@@ -130,3 +130,24 @@ def test_compile_events_name_the_compilers_host_activities(tmp_path):
   seconds = [s for s, _ in events.values()]
   assert seconds == sorted(seconds, reverse=True) and seconds[0] > 0
   assert all(n >= 1 for _, n in events.values())
+
+
+def test_python_profile_lists_the_profiled_functions_longest_first():
+  """`--lower_profile`'s summary of a cProfile run: the profiled function appears with its call
+  count, and both lists are ordered longest first."""
+  import cProfile
+
+  def lower_something():
+    return jax.jit(lambda a: jnp.tanh(a @ a).sum()).lower(jnp.ones((8, 8)))
+
+  profiler = cProfile.Profile()
+  profiler.enable()
+  lower_something()
+  profiler.disable()
+  summary = _script().python_profile(profiler, top=400)
+  names = [where for _, _, where in summary["cumulative"]]
+  assert any(w.endswith("(lower_something)") for w in names), names[:20]
+  for key in ("cumulative", "own"):
+    seconds = [s for s, _, _ in summary[key]]
+    assert seconds == sorted(seconds, reverse=True)
+  assert [n for _, n, w in summary["cumulative"] if w.endswith("(lower_something)")] == [1]
