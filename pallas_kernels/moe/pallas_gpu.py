@@ -177,6 +177,12 @@ def _ragged_store(src_smem, dst_gmem, row0, valid_start, valid_size, max_rows: i
 
 # ------------------------------------------------------------------------------------------ gmm
 
+# The kernels are jitted (shapes, dtypes and settings static): every call with the same ones
+# traces to the same jaxpr, which jax lowers once per program and calls from each site. A step
+# holds dozens of identical expert GEMMs (layers, forward, recompute, backward), and lowering a
+# Mosaic GPU kernel takes ~0.7 s on the host, so without this the program's lowering is mostly
+# the same few kernels lowered again (benchmarks/train_step.md).
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "config", "interpret"))
 def gmm_mgpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Array, *,
              transpose_rhs: bool = False, config: MgpuConfig = MgpuConfig(),
              interpret: bool = False) -> jax.Array:
@@ -283,6 +289,7 @@ def gmm_mgpu(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Array, *,
 
 # ----------------------------------------------------------------------------------------- tgmm
 
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def tgmm_mgpu(lhs_mk: jax.Array, dout_mn: jax.Array, group_sizes_g: jax.Array, *,
               config: MgpuConfig = MgpuConfig(), interpret: bool = False) -> jax.Array:
   """out [G, K, N] (lhs dtype): out[g] = Σ_{r in group g} lhs[r]ᵀ dout[r]; empty groups → 0."""

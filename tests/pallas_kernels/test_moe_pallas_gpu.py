@@ -111,3 +111,25 @@ def test_mgpu_rejects_untileable_shapes():
   lhs, rhs = normal((64, 48), 0, jnp.bfloat16), normal((2, 48, 128), 1, jnp.bfloat16)
   with pytest.raises(ValueError, match="tile_k"):
     pallas_gpu.gmm_mgpu(lhs, rhs, jnp.asarray([32, 32]), config=CFG, interpret=True)
+
+
+def test_identical_kernel_calls_share_one_lowered_function():
+  """The kernels are jitted, so two layers' identical expert GEMMs (forward, dlhs and tgmm of
+  each) lower to one function per kernel and shape, called from every site, instead of one
+  inlined copy per call: the program's lowering (slow for Mosaic GPU kernels) and the backend's
+  kernel compilation see each kernel once."""
+  import re
+  lhs, w1, w2 = normal((128, K), 0, jnp.bfloat16), normal((2, K, N), 1, jnp.bfloat16), \
+      normal((2, K, N), 2, jnp.bfloat16)
+  gs = jnp.asarray([64, 64])
+
+  def loss(a, b, c):
+    h = gmm_pallas_gpu(a, b, gs, config=CFG, interpret=True)
+    return jnp.sum(jnp.square(gmm_pallas_gpu(h, c, gs, config=CFG, interpret=True).astype(jnp.float32)))
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(lhs, w1, w2).as_text()
+  calls = re.findall(r"call @(t?gmm_mgpu\w*)\(", text)
+  defined = re.findall(r"func\.func private @(t?gmm_mgpu\w*)\(", text)
+  assert calls.count("tgmm_mgpu") == 2 and defined.count("tgmm_mgpu") == 1, (calls, defined)
+  assert calls.count("gmm_mgpu") == 2 and defined.count("gmm_mgpu") == 1, (calls, defined)
+  assert len(calls) == 6 and len(defined) == 3, (calls, defined)     # forward, dlhs, tgmm
