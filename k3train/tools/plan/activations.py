@@ -31,7 +31,7 @@ grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by 
                               gmm input, gate/up/hidden outputs for backward; the exchange
                               itself needs ~3 such [ep·n·k, ℓ] buffers at once (send, receive,
                               regrouped). Quantile Balancing compares each device's own
-                              [n, E] fp32 margins (bisection over counts; forward only).
+                              [n, E] fp32 margins (radix selection over counts; forward only).
   head                        embedding output, final norm, logits and their fp32 copy; the
                               backward writes the logits gradient over those two buffers.
   fused head                  (train.loss_chunk_tokens = c > 0, k3train/train/head_loss.py) no
@@ -275,8 +275,9 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
         saved=rows * (lat + 3 * fl) * A + n * topk * lat * A,
         transient=3 * rows * lat * A, kept=2 * rows * fl * A)
   out["moe"] = c
-  # QB finds its quantile by bisection over per-expert counts: each device compares only its own
-  # n tokens' [n, E] fp32 margins (and their uint32 keys) and all-reduces [E] counts.
+  # QB finds its quantile by radix selection over per-expert counts: each device compares only
+  # its own n tokens' [n, E] fp32 margins (and their uint32 keys) with a few candidates per
+  # expert inside a reduction and all-reduces [E, candidates] counts.
   out["qb_sort"] = Cost().add("moe: Quantile Balancing margins + keys [n, E] (forward)",
                               transient=2 * n * E * F)
 

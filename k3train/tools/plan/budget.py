@@ -140,7 +140,7 @@ def make_plan(cfg, state, sizes: Mapping[str, int], *, rules_name: str, seq_len:
        + ("ep·n·k: dropless worst case)" if expert_capacity is None
           else f"capacity {expert_capacity:g}·n·k: hypothetical, not in k3train)")),
       ("forward QB margins", acts.qb,
-       "this device's n tokens × E experts, fp32 + uint32 keys (bisection; forward only)"),
+       "this device's n tokens × E experts, fp32 + uint32 keys (radix selection; forward only)"),
       ("optimizer transient", opt_transient, "3 × the largest local optimizer leaf"),
   ]
   if "mtp" in acts.detail:
