@@ -6,6 +6,7 @@ jax is imported on use, so scripts can parse their flags (and print help) withou
 from __future__ import annotations
 
 import platform
+import re
 import time
 
 
@@ -72,3 +73,13 @@ def emit(rows, env: dict) -> list[dict]:
 def dims(text: str) -> tuple[int, ...]:
   """'2x4096x2048' → (2, 4096, 2048)."""
   return tuple(int(x) for x in text.lower().split("x"))
+
+
+# A kernel of a compiled module: an instruction that is a fusion or a custom call (its name is
+# group 1). The backend compiles, autotunes and launches these one by one.
+KERNEL_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+(?:fusion|custom-call)\(")
+
+
+def kernel_names(hlo_text: str) -> list[str]:
+  """Names of the fusions and custom calls of a compiled module's HLO text."""
+  return [m.group(1) for m in map(KERNEL_LINE.match, hlo_text.splitlines()) if m]

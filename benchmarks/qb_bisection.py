@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 
@@ -38,12 +37,6 @@ FLAGS = (
     _flags.Flag("top_k", "list", ["8", "16"], "top-k per case (as many as --experts)"),
     _flags.Flag("iters", "int", 200, "timed calls per setting"),
 )
-
-
-def kernel_count(hlo_text: str) -> int:
-  """Fusions and custom calls of a compiled module: the kernels one call launches (loops aside)."""
-  return sum(1 for line in hlo_text.splitlines()
-             if re.search(r"=\s*\S+\s+(fusion|custom-call)\(", line))
 
 
 def measure(tokens: int, experts: int, top_k: int, setting, iters: int) -> dict:
@@ -69,7 +62,7 @@ def measure(tokens: int, experts: int, top_k: int, setting, iters: int) -> dict:
     times.append(time.perf_counter() - t0)
   return {"tokens": tokens, "experts": experts, "top_k": top_k,
           "setting": setting if setting == "cutoff" else f"{setting[0]} bit, unroll {setting[1]}",
-          "kernels": kernel_count(compiled.as_text()),
+          "kernels": len(_record.kernel_names(compiled.as_text())),
           "median_us": round(1e6 * float(np.median(times)), 1),
           "min_us": round(1e6 * float(np.min(times)), 1), "compile_s": round(compile_s, 2),
           "bias": np.asarray(out)}

@@ -319,13 +319,24 @@ def kernels_by_part(hlo_text: str) -> dict[str, int]:
   """Fusions and custom calls of a compiled module (the kernels the backend compiles, tunes and
   launches) counted by part, as the profile assigns them (`op_locations`, `classify`)."""
   where = op_locations(hlo_text)
-  kernel = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+(?:fusion|custom-call)\(")
   counts: dict[str, int] = collections.defaultdict(int)
-  for line in hlo_text.splitlines():
-    m = kernel.match(line)
-    if m:
-      counts[classify(where.get(m.group(1), ""))] += 1
+  for name in _record.kernel_names(hlo_text):
+    counts[classify(where.get(name, ""))] += 1
   return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+# Seconds per jax duration event ("/jax/core/compile/…"), summed since the listener was added.
+_JAX_EVENTS: dict[str, float] = collections.defaultdict(float)
+
+
+def _jax_event_seconds() -> dict[str, float]:
+  """A copy of the running sums of jax's duration events (the listener is added once)."""
+  import jax
+  if not getattr(_jax_event_seconds, "listening", False):
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **_: _JAX_EVENTS.__setitem__(event, _JAX_EVENTS[event] + seconds))
+    _jax_event_seconds.listening = True
+  return dict(_JAX_EVENTS)
 
 
 def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str]]:
@@ -486,9 +497,7 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   # Compiled once, ahead of time, on the first batch: the executable is the one timed, profiled
   # and whose memory analysis is read (it keeps the jitted step's shardings and state donation).
   batch = run.layout.global_batch(next(data))
-  events: dict[str, float] = collections.defaultdict(float)
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, seconds, **_: events.__setitem__(event, events[event] + seconds))
+  events_before = _jax_event_seconds()
   compile_trace = tempfile.mkdtemp(prefix="k3_compile_trace_") if fv.compile_profile else ""
   if compile_trace:
     options = jax.profiler.ProfileOptions()
@@ -512,8 +521,9 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   compile_s = t2 - t0
   hlo_text = compiled.as_text() or ""
   compile_row = {"trace_lower_s": round(t1 - t0, 1), "backend_compile_s": round(t2 - t1, 1),
-                 "jax_compile_events_s": {k.rsplit("/", 1)[-1]: round(v, 1) for k, v in events.items()
-                                          if k.startswith("/jax/core/compile/")},
+                 "jax_compile_events_s": {
+                     k.rsplit("/", 1)[-1]: round(v - events_before.get(k, 0.0), 1)
+                     for k, v in _jax_event_seconds().items() if k.startswith("/jax/core/compile/")},
                  "kernels_by_part": kernels_by_part(hlo_text)}
   compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
   if compile_trace:
