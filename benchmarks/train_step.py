@@ -274,16 +274,21 @@ def memory_report(dump_dir: str, hlo_text: str) -> dict:
           "xla_peak_top": found["top"]}
 
 
+def _newest_trace(trace_dir: str):
+  """The newest xplane trace under trace_dir as jax.profiler.ProfileData, or None."""
+  import jax
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
+                 key=os.path.getmtime)
+  return jax.profiler.ProfileData.from_file(paths[-1]) if paths else None
+
+
 def compile_events(trace_dir: str, top: int = 30) -> dict[str, list]:
   """{host activity name: [inclusive seconds, count]} of the newest trace's host planes, the
   `top` longest; Python frames ("$file:line …") and the profiler's own events are left out.
   Nested activities each count their whole span, so the numbers overlap and do not add up."""
-  import jax
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
-                 key=os.path.getmtime)
-  if not paths:
+  data = _newest_trace(trace_dir)
+  if data is None:
     return {}
-  data = jax.profiler.ProfileData.from_file(paths[-1])
   total: dict[str, float] = collections.defaultdict(float)
   count: dict[str, int] = collections.defaultdict(int)
   for plane in data.planes:
@@ -341,12 +346,9 @@ def _jax_event_seconds() -> dict[str, float]:
 
 def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str]]:
   """{HLO op name: total device seconds} from the newest xplane trace, and the line names seen."""
-  import jax
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
-                 key=os.path.getmtime)
-  if not paths:
+  data = _newest_trace(trace_dir)
+  if data is None:
     return {}, []
-  data = jax.profiler.ProfileData.from_file(paths[-1])
   times: dict[str, float] = collections.defaultdict(float)
   lines_seen = []
   for plane in data.planes:
