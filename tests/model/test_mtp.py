@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from tests.conftest import CACHE_DIR
-from tests.configs import CONFIG_DIR, k3_tiny
+from tests.configs import CONFIG_DIR, k3_tiny, quick, quick_flags
 from tests.model.test_decode import randomize
 from k3train.model import counting
 from k3train.model import mtp as mtp_lib
@@ -41,8 +41,9 @@ def mtp_config(**model):
 
 @pytest.fixture(scope="module")
 def models():
-  """A tiny model that owns an MTP module, every parameter moved off its initial value."""
-  cfg = mtp_config()
+  """The four-layer k3_tiny (tests/configs.py QUICK_MODEL) with an MTP module, every parameter
+  moved off its initial value."""
+  cfg = quick(mtp_config())
   model = randomize(build_model(cfg.model), seed=3)
   return model, model.mtp, cfg
 
@@ -327,10 +328,11 @@ RUN_STEPS = 16
 
 
 def tiny_mtp_run_argv(workdir) -> list[str]:
-  """k3train.main on k3_tiny with the MTP module, an eval at the last step (tests/tools/test_eval.py
-  runs the same command, so the compiled step comes from the persistent cache)."""
+  """k3train.main on the four-layer k3_tiny with the MTP module, an eval at the last step
+  (tests/tools/test_eval.py runs the same command, so the compiled step comes from the
+  persistent cache)."""
   return ["k3train.main", f"--config={TINY}", f"--workdir={workdir}",
-          f"--compilation_cache_dir={CACHE_DIR}", "--config.model.mtp.enabled=true",
+          f"--compilation_cache_dir={CACHE_DIR}", "--config.model.mtp.enabled=true", *quick_flags(),
           f"--config.train.steps={RUN_STEPS}", f"--config.eval.every_steps={RUN_STEPS}",
           "--config.train.log_every=4"]
 

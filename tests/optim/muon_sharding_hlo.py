@@ -1,4 +1,5 @@
-"""Collectives in the compiled Muon update of k3_tiny sharded over fsdp=8 (run as a script).
+"""Collectives in the compiled Muon update of the four-layer k3_tiny sharded over fsdp=8 (run as
+a script).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/optim/muon_sharding_hlo.py
 
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tests.configs import k3_tiny
+from tests.configs import k3_tiny, quick
 from k3train.optim import muon
 from k3train.parallel import rules as rules_lib
 from k3train.train import layout as layout_lib
@@ -26,7 +27,7 @@ from tests.parallel.mesh_equivalence import COLLECTIVES, FAST_COMPILE
 
 
 def main():
-  cfg = k3_tiny.get_config()
+  cfg = quick(k3_tiny.get_config())
   cfg.optim.optimizer = "muon"
   cfg.parallel.fsdp = 8
   cfg.train.global_batch_size = 8

@@ -1,4 +1,5 @@
-"""Loss and gradients of k3_tiny on several 8-device CPU meshes vs one device (run as a script).
+"""Loss and gradients of the four-layer k3_tiny (tests/configs.py QUICK_MODEL) on several 8-device
+CPU meshes vs one device (run as a script).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/parallel/mesh_equivalence.py \
         fsdp=8 fsdp=2,expert=4 ...
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tests.configs import k3_tiny
+from tests.configs import k3_tiny, quick
 from k3train.parallel import rules as rules_lib
 from k3train.train import layout as layout_lib
 from k3train.train import step as step_lib
@@ -29,7 +30,7 @@ GLOBAL_BATCH = 16   # ≥ 2 rows per device on every mesh below
 
 
 def tiny_config(mesh_arg: str = ""):
-  cfg = k3_tiny.get_config()
+  cfg = quick(k3_tiny.get_config())
   cfg.train.global_batch_size = GLOBAL_BATCH
   for item in filter(None, mesh_arg.split(",")):
     key, value = item.split("=")

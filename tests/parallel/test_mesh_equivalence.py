@@ -1,5 +1,6 @@
-"""k3_tiny's loss and gradients on six 8-device CPU meshes equal the single-device values (the
-last with gradient accumulation over 2 micro-batches around expert and sequence parallelism).
+"""The four-layer k3_tiny's loss and gradients (tests/configs.py QUICK_MODEL: every layer kind and
+the scan) on six 8-device CPU meshes equal the single-device values (the last with gradient
+accumulation over 2 micro-batches around expert and sequence parallelism).
 
 Runs `mesh_equivalence.py` in a subprocess with 8 host-platform devices (this pytest process has
 one). Tolerances (fp32; sharding changes only reduction order): loss within 1e-6 relative, every

@@ -2,7 +2,8 @@
 it keeps training, it resumes bit-identically across the switch, master weights and optimizer
 state stay fp32, and the expert weights are quantised once per step, not per micro-batch.
 
-One config (k3_tiny, 20 steps, checkpoints every 5, QAT from step 10), so one compiled step.
+One config (the four-layer k3_tiny of tests/configs.py, 20 steps, checkpoints every 5, QAT from
+step 10), so one compiled step.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from k3train.quant import mx
 from k3train.train import loop
 from k3train.train import step as step_lib
 from k3train.train.checkpoint import Checkpointer
-from tests.configs import k3_tiny
+from tests.configs import k3_tiny, quick
 
 STEPS, SWITCH, EVERY = 20, 10, 5
 
 
 def make_config():
-  cfg = k3_tiny.get_config()
+  cfg = quick(k3_tiny.get_config())
   cfg.train.steps = STEPS
   cfg.checkpoint.every_steps = EVERY
   cfg.model.quant.enabled = True

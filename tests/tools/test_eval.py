@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.configs import CONFIG_DIR
+from tests.configs import CONFIG_DIR, quick_flags
 from tests.model.test_mtp import RUN_STEPS, tiny_mtp_run_argv
 from k3train.tools import eval as eval_tool
 
@@ -16,7 +16,7 @@ TINY = str(CONFIG_DIR / "k3_tiny.py")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """A 16-step k3_tiny run (MTP on) whose loop evaluated at its last step."""
+  """A 16-step run of the four-layer k3_tiny (MTP on) whose loop evaluated at its last step."""
   from k3train import main as main_lib
   workdir = tmp_path_factory.mktemp("run")
   assert main_lib.main(tiny_mtp_run_argv(workdir)) == 0
@@ -48,14 +48,14 @@ def test_eval_equals_the_loops_held_out_eval(run, capsys):
   for bucket, loss in out["loss_by_pos"].items():
     assert math.isclose(loss, row[f"eval/loss_by_pos/{bucket}"], rel_tol=1e-6), bucket
   # The run's config given on the command line evaluates the same rows.
-  code, again, _ = run_tool(capsys, f"--workdir={workdir}", f"--config={TINY}",
+  code, again, _ = run_tool(capsys, f"--workdir={workdir}", f"--config={TINY}", *quick_flags(),
                             "--config.model.mtp.enabled=true")
   assert code == 0 and math.isclose(again["loss"], out["loss"], rel_tol=1e-6)
 
 
 def test_eval_reads_the_source_and_batches_given(run, capsys):
   workdir, row = run
-  code, out, _ = run_tool(capsys, f"--workdir={workdir}", f"--config={TINY}",
+  code, out, _ = run_tool(capsys, f"--workdir={workdir}", f"--config={TINY}", *quick_flags(),
                           "--config.model.mtp.enabled=true", "--config.eval.sources=synthetic_text",
                           "--batches=2")
   assert code == 0
@@ -70,9 +70,10 @@ def test_errors_are_one_line(run, case, capsys, tmp_path):
   argv, message = {
       "missing": ([f"--workdir={tmp_path / 'nowhere'}"], "does not exist"),
       "empty": ([f"--workdir={tmp_path}"], "has no checkpoint"),
-      "source": ([f"--workdir={workdir}", f"--config={TINY}", "--config.model.mtp.enabled=true",
+      "source": ([f"--workdir={workdir}", f"--config={TINY}", *quick_flags(),
+                  "--config.model.mtp.enabled=true",
                   "--config.eval.sources=nosuch_source"], "unknown data source 'nosuch_source'"),
-      "model": ([f"--workdir={workdir}", f"--config={TINY}"], "model.mtp.enabled"),
+      "model": ([f"--workdir={workdir}", f"--config={TINY}", *quick_flags()], "model.mtp.enabled"),
   }[case]
   code, _, err = run_tool(capsys, *argv)
   assert code == 2

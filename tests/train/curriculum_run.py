@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tests.configs import k3_tiny
+from tests.configs import k3_tiny, quick
 from k3train import config as config_lib
 from k3train.train import loop
 from k3train.train.checkpoint import Checkpointer
@@ -33,8 +33,7 @@ SEQUENCE = (1, 2, 4)
 
 
 def config():
-  cfg = k3_tiny.get_config()
-  cfg.model.num_layers, cfg.model.mla_layers, cfg.model.attn_res.block_size = 4, (2, 4), 2
+  cfg = quick(k3_tiny.get_config())
   cfg.train.use_stages = True
   cfg.train.steps = 1000                       # the stages end the run
   cfg.optim.warmup_steps = 1

@@ -1,7 +1,8 @@
 """End-to-end training on CPU: the loss falls, resume is exact, SIGTERM checkpoints, NaN stops.
 
 All runs share one config (so one compiled step, reused through the persistent cache):
-k3_tiny with 30 steps and a checkpoint every 5 steps.
+k3_tiny cut to its four-layer form (tests/configs.py QUICK_MODEL: every layer kind and the
+scan), 30 steps and a checkpoint every 5 steps.
 """
 
 import json
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.configs import k3_tiny
+from tests.configs import k3_tiny, quick, quick_flags
 from k3train.train import builder, loop
 from k3train.train.checkpoint import Checkpointer, CheckpointMismatchError
 
@@ -25,7 +26,7 @@ EVERY = 5
 
 
 def make_config():
-  cfg = k3_tiny.get_config()
+  cfg = quick(k3_tiny.get_config())
   cfg.train.steps = STEPS
   cfg.checkpoint.every_steps = EVERY
   cfg.metrics.vectors_every = 10      # per-layer expert loads at steps 10, 20, 30
@@ -131,7 +132,7 @@ def test_non_finite_loss_stops_with_the_step_and_saves_nothing_from_it(tmp_path,
 def _main_command(workdir, cache_dir):
   return [sys.executable, "-m", "k3train.main", "--config=configs/k3_tiny.py", f"--workdir={workdir}",
           f"--config.train.steps={STEPS}", f"--config.checkpoint.every_steps={EVERY}",
-          f"--compilation_cache_dir={cache_dir}"]
+          f"--compilation_cache_dir={cache_dir}", *quick_flags()]
 
 
 def test_sigterm_saves_a_checkpoint_and_the_cli_resumes_exactly(uninterrupted, tmp_path,
@@ -237,7 +238,8 @@ def test_tensorboard_equals_the_metrics_rows_and_the_report_renders(uninterrupte
     assert v["moe_load"].shape == (len(v["rows"]["moe_load"]), cfg.model.moe.num_experts)
     np.testing.assert_allclose(v["moe_load"].sum(axis=1), 1.0, rtol=1e-4)  # 6 significant digits
   tags = {v.tag for e in tensorboard_events(logdir) for v in e.summary.value}
-  assert {"moe_load/2", "moe_load/13", "moe_load/heatmap"} <= tags
+  assert loop.moe_layer_numbers(cfg.model) == [2, 3, 4]          # layer 1 has the dense FFN
+  assert {"moe_load/2", "moe_load/4", "moe_load/heatmap"} <= tags
 
   out = str(tmp_path / "report")
   assert report.main(["report", f"--workdir={workdir}", f"--out={out}"]) == 0
