@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.configs import k3_tiny
+from tests.configs import k3_tiny, quick
 from k3train.model import decode
 from k3train.model.decoder import build_model
 from k3train.model.mla import GatedMLA
@@ -31,7 +31,8 @@ def randomize(model, seed=0, scale=0.3):
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = k3_tiny.get_config()
+  """The four-layer k3_tiny (every layer kind, a scanned super-block), parameters randomized."""
+  cfg = quick(k3_tiny.get_config())
   return randomize(build_model(cfg.model)), cfg
 
 
@@ -64,7 +65,7 @@ def test_prefill_then_decode_equals_full_forward(tiny):
   assert int(cache.length) == T_TOTAL
   # The MLA cache holds 576-style latent rows (kv_lora_rank + rope) per token, not per head.
   mla = cfg.model.mla
-  latent = cache.layers["suffix"][0]["latent"]
+  latent = cache.layers["prefix"][1]["latent"]                  # layer 2: the first MLA layer
   assert latent.shape == (2, 40, mla.kv_lora_rank + mla.qk_rope_head_dim)
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 from tests.model.test_decode import randomize
 from tests.model.test_mtp import mtp_config
+from tests.configs import quick
 from k3train.model import decode
 from k3train.model import mtp as mtp_lib
 from k3train.model.decoder import build_model
@@ -23,8 +24,8 @@ T_PROMPT, T_NEW = 21, 17
 
 @pytest.fixture(scope="module")
 def tiny():
-  """A tiny model with an MTP module, every parameter moved off its initial value."""
-  cfg = mtp_config()
+  """The four-layer k3_tiny with an MTP module, every parameter moved off its initial value."""
+  cfg = quick(mtp_config())
   return randomize(build_model(cfg.model), seed=5), cfg
 
 
