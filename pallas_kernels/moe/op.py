@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import mx_operands, pallas_gpu, pallas_tpu
+from pallas_kernels.moe import mx_operands, pallas_gpu, pallas_tpu, permute
 from pallas_kernels.moe.reference import gmm_mx_reference, gmm_reference
 from pallas_kernels.moe.vjp import straight_through_gmm_mx
 from pallas_kernels.moe.xla import gmm_ragged_dot
@@ -168,15 +168,15 @@ def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int
   x [T, D], expert_idx [T, k] int → (x_sorted [T·k, D], group_sizes [E] int32, perm [T·k] int32).
   Pair p = t·k + j is (token t, its j-th expert); perm lists pair ids in expert order (stable, so
   within one expert tokens keep their order) and x_sorted[i] = x[perm[i] // k]. Dropless: every
-  pair gets a row, group_sizes[e] = #pairs routed to e. Gradient wrt x is the autodiff of the
-  gather (a segment sum of the row cotangents back onto tokens).
+  pair gets a row, group_sizes[e] = #pairs routed to e. The gradient wrt x sums each token's k
+  row cotangents in fp32 by a gather through the inverse permutation (permute.py: no scatter).
   """
   num_tokens, top_k = expert_idx.shape
   if x.shape[0] != num_tokens:
     raise ValueError(f"dispatch: x has {x.shape[0]} tokens, expert_idx {num_tokens}")
   expert_p = expert_idx.reshape(num_tokens * top_k).astype(jnp.int32)
   perm_p = jnp.argsort(expert_p, stable=True).astype(jnp.int32)
-  x_sorted_pd = jnp.take(x, perm_p // top_k, axis=0)
+  x_sorted_pd = permute.sort_rows(x, perm_p, top_k)
   group_sizes_e = jnp.bincount(expert_p, length=num_experts).astype(jnp.int32)
   return x_sorted_pd, group_sizes_e, perm_p
 
@@ -187,16 +187,12 @@ def combine(y_sorted: jax.Array, weights: jax.Array, perm: jax.Array) -> jax.Arr
   y_sorted [T·k, D] (row i belongs to pair perm[i]), weights [T, k], perm [T·k] → y [T, D] with
   y[t] = Σ_j weights[t, j] · y_sorted[row of pair (t, j)]. The weights are applied in fp32 to each
   expert output and the k products are summed in fp32 in a fixed order (deterministic, no
-  scatter-add), then cast to y_sorted's dtype (docs/maths.md §5.1 numerics note).
+  scatter-add), then cast to y_sorted's dtype (docs/maths.md §5.1 numerics note). Its gradients
+  are gathers as well (permute.py).
   """
   num_tokens, top_k = weights.shape
   num_pairs = num_tokens * top_k
   if y_sorted.shape[0] != num_pairs or perm.shape != (num_pairs,):
     raise ValueError(f"combine: y_sorted {y_sorted.shape}, weights {weights.shape} and perm "
                      f"{perm.shape} disagree on T·k = {num_pairs}")
-  # inv_p[p] = sorted row holding pair p (a permutation's inverse, by an index scatter; no sort).
-  inv_p = jnp.zeros((num_pairs,), jnp.int32).at[perm].set(
-      jnp.arange(num_pairs, dtype=jnp.int32), unique_indices=True)
-  y_tkd = jnp.take(y_sorted, inv_p, axis=0, unique_indices=True).reshape(num_tokens, top_k, -1)
-  y_td = jnp.sum(y_tkd.astype(jnp.float32) * weights.astype(jnp.float32)[:, :, None], axis=1)
-  return y_td.astype(y_sorted.dtype)
+  return permute.unsort_sum(y_sorted, weights, perm).astype(y_sorted.dtype)

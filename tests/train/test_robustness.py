@@ -45,6 +45,19 @@ def test_nonfinite_flags_name_the_group_and_the_first_leaf():
   names = [".".join(map(str, (getattr(k, "name", getattr(k, "key", k)) for k in p)))
            for p, _ in jax.tree_util.tree_flatten_with_path(bad)[0]]
   assert names[int(flags["nonfinite_leaf"])] == "params.b"
+  # Bad leaves in two groups, in shape buckets of their own and shared: every group's bit is
+  # set, and the first bad leaf in tree order is named (not the first one of its shape).
+  two = step_lib.TrainState(bad.step, {"a": jnp.ones((3,)), "b": jnp.array([1.0, jnp.nan])},
+                            {"bias": jnp.array([0.0, jnp.inf])}, {"mu": jnp.array([0, jnp.nan, 0])},
+                            bad.loss_ema, bad.skipped)
+  flags = step_lib.nonfinite_check(two, jnp.float32(1.0), jnp.bool_(False))
+  assert int(flags["nonfinite"]) == 2 + 4 + 8
+  assert names[int(flags["nonfinite_leaf"])] == "params.b"
+  late = step_lib.TrainState(bad.step, {"a": jnp.ones((3,)), "b": jnp.ones((2,))},
+                             {"bias": jnp.zeros((2,))}, {"mu": jnp.array([0, jnp.inf, 0])},
+                             bad.loss_ema, bad.skipped)
+  flags = step_lib.nonfinite_check(late, jnp.float32(jnp.nan), jnp.bool_(False))
+  assert int(flags["nonfinite"]) == 1 + 4 and names[int(flags["nonfinite_leaf"])] == "opt_state.mu"
   # An infinite gradient norm stops the run, unless the loss-spike guard skipped that update.
   assert int(step_lib.nonfinite_check(ok, jnp.float32(jnp.inf), jnp.bool_(False))["nonfinite"]) == 1
   assert int(step_lib.nonfinite_check(ok, jnp.float32(jnp.inf), jnp.bool_(True))["nonfinite"]) == 0

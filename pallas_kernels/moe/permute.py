@@ -1,0 +1,92 @@
+"""The row permutations of `dispatch` and `combine`, with gradients that are gathers too.
+
+Autodiff turns a gather into a scatter-add: the gradient of `x_sorted = x[perm // k]` adds each
+sorted row's cotangent back onto its token, k rows per token, and on a GPU XLA emits that as an
+atomic scatter (slow in bf16, and its order of additions is not fixed). Both directions of a
+permutation can be written as gathers instead, because the inverse permutation is known:
+
+  sort_rows:   x_sorted[i] = x[perm[i] // k]
+      grad:    dx[t] = Σ_j dx_sorted[inv[t·k + j]]                 (k rows per token, fp32, j order)
+  unsort_sum:  y[t] = Σ_j w[t, j] · y_sorted[inv[t·k + j]]          (fp32, j order)
+      grads:   dy_sorted[i] = w[pair perm[i]] · dy[perm[i] // k];  dw[t, j] = <y_sorted[inv[t·k+j]], dy[t]>
+
+inv[p] is the sorted row holding pair p. Every sum has k terms added in a fixed order, so the
+results (and gradients) are deterministic on every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def inverse_permutation(perm_p: jax.Array) -> jax.Array:
+  """inv[perm[i]] = i for a permutation perm [P] int32 (an index scatter; no sort)."""
+  num = perm_p.shape[0]
+  return jnp.zeros((num,), jnp.int32).at[perm_p].set(
+      jnp.arange(num, dtype=jnp.int32), unique_indices=True)
+
+
+def _rows(x, idx):
+  # Indices come from a permutation of range(rows): in bounds by construction, no fill select.
+  return x.at[idx].get(mode="promise_in_bounds")
+
+
+def _sum_pairs(y_sorted_pd, inv_p, top_k: int) -> jax.Array:
+  """Σ_j y_sorted[inv[t·k + j]] per token in fp32, j in order → [T, D] fp32."""
+  y_tkd = _rows(y_sorted_pd, inv_p).reshape(-1, top_k, y_sorted_pd.shape[-1]).astype(jnp.float32)
+  total = y_tkd[:, 0]
+  for j in range(1, top_k):
+    total = total + y_tkd[:, j]
+  return total
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def sort_rows(x_td: jax.Array, perm_p: jax.Array, top_k: int) -> jax.Array:
+  """x_sorted [T·k, D] with x_sorted[i] = x[perm[i] // top_k]."""
+  return _rows(x_td, perm_p // top_k)
+
+
+def _sort_rows_fwd(x_td, perm_p, top_k):
+  return sort_rows(x_td, perm_p, top_k), (perm_p, jnp.zeros((0,), x_td.dtype))
+
+
+def _sort_rows_bwd(top_k, residuals, g_sorted_pd):
+  perm_p, like = residuals
+  dx_td = _sum_pairs(g_sorted_pd, inverse_permutation(perm_p), top_k).astype(like.dtype)
+  return dx_td, None
+
+
+sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
+
+
+@jax.custom_vjp
+def unsort_sum(y_sorted_pd: jax.Array, weights_tk: jax.Array, perm_p: jax.Array) -> jax.Array:
+  """y [T, D] fp32 with y[t] = Σ_j w[t, j] · y_sorted[row of pair (t, j)], in fp32, j in order."""
+  num_tokens, top_k = weights_tk.shape
+  y_tkd = _rows(y_sorted_pd, inverse_permutation(perm_p)).reshape(num_tokens, top_k, -1)
+  w_tk = weights_tk.astype(jnp.float32)
+  total = y_tkd[:, 0].astype(jnp.float32) * w_tk[:, 0, None]
+  for j in range(1, top_k):
+    total = total + y_tkd[:, j].astype(jnp.float32) * w_tk[:, j, None]
+  return total
+
+
+def _unsort_sum_fwd(y_sorted_pd, weights_tk, perm_p):
+  return unsort_sum(y_sorted_pd, weights_tk, perm_p), (y_sorted_pd, weights_tk, perm_p)
+
+
+def _unsort_sum_bwd(residuals, dy_td):
+  y_sorted_pd, weights_tk, perm_p = residuals
+  num_tokens, top_k = weights_tk.shape
+  dy_td = dy_td.astype(jnp.float32)
+  w_p = weights_tk.reshape(-1).astype(jnp.float32)
+  d_sorted = _rows(dy_td, perm_p // top_k) * _rows(w_p, perm_p)[:, None]
+  y_tkd = _rows(y_sorted_pd, inverse_permutation(perm_p)).reshape(num_tokens, top_k, -1)
+  d_weights = jnp.sum(y_tkd.astype(jnp.float32) * dy_td[:, None, :], axis=-1)
+  return d_sorted.astype(y_sorted_pd.dtype), d_weights.astype(weights_tk.dtype), None
+
+
+unsort_sum.defvjp(_unsort_sum_fwd, _unsort_sum_bwd)
