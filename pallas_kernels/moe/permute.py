@@ -6,12 +6,12 @@ atomic scatter (slow in bf16, and its order of additions is not fixed). Both dir
 permutation can be written as gathers instead, because the inverse permutation is known:
 
   sort_rows:   x_sorted[i] = x[perm[i] // k]
-      grad:    dx[t] = Σ_j dx_sorted[inv[t·k + j]]                 (k rows per token, fp32, j order)
-  unsort_sum:  y[t] = Σ_j w[t, j] · y_sorted[inv[t·k + j]]          (fp32, j order)
+      grad:    dx[t] = Σ_j dx_sorted[inv[t·k + j]]                 (k rows per token, fp32)
+  unsort_sum:  y[t] = Σ_j w[t, j] · y_sorted[inv[t·k + j]]          (fp32)
       grads:   dy_sorted[i] = w[pair perm[i]] · dy[perm[i] // k];  dw[t, j] = <y_sorted[inv[t·k+j]], dy[t]>
 
-inv[p] is the sorted row holding pair p. Every sum has k terms added in a fixed order, so the
-results (and gradients) are deterministic on every backend.
+inv[p] is the sorted row holding pair p. Every sum is one gather feeding a reduction over the k
+axis in fp32: no atomics, so results and gradients are deterministic on every backend.
 """
 
 from __future__ import annotations
@@ -35,12 +35,9 @@ def _rows(x, idx):
 
 
 def _sum_pairs(y_sorted_pd, inv_p, top_k: int) -> jax.Array:
-  """Σ_j y_sorted[inv[t·k + j]] per token in fp32, j in order → [T, D] fp32."""
-  y_tkd = _rows(y_sorted_pd, inv_p).reshape(-1, top_k, y_sorted_pd.shape[-1]).astype(jnp.float32)
-  total = y_tkd[:, 0]
-  for j in range(1, top_k):
-    total = total + y_tkd[:, j]
-  return total
+  """Σ_j y_sorted[inv[t·k + j]] per token in fp32 → [T, D] fp32 (one gather + reduce)."""
+  y_tkd = _rows(y_sorted_pd, inv_p).reshape(-1, top_k, y_sorted_pd.shape[-1])
+  return jnp.sum(y_tkd.astype(jnp.float32), axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -64,14 +61,10 @@ sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
 
 @jax.custom_vjp
 def unsort_sum(y_sorted_pd: jax.Array, weights_tk: jax.Array, perm_p: jax.Array) -> jax.Array:
-  """y [T, D] fp32 with y[t] = Σ_j w[t, j] · y_sorted[row of pair (t, j)], in fp32, j in order."""
+  """y [T, D] fp32 with y[t] = Σ_j w[t, j] · y_sorted[row of pair (t, j)], summed in fp32."""
   num_tokens, top_k = weights_tk.shape
   y_tkd = _rows(y_sorted_pd, inverse_permutation(perm_p)).reshape(num_tokens, top_k, -1)
-  w_tk = weights_tk.astype(jnp.float32)
-  total = y_tkd[:, 0].astype(jnp.float32) * w_tk[:, 0, None]
-  for j in range(1, top_k):
-    total = total + y_tkd[:, j].astype(jnp.float32) * w_tk[:, j, None]
-  return total
+  return jnp.sum(y_tkd.astype(jnp.float32) * weights_tk.astype(jnp.float32)[:, :, None], axis=1)
 
 
 def _unsort_sum_fwd(y_sorted_pd, weights_tk, perm_p):
