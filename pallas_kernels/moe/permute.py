@@ -59,25 +59,31 @@ def _sort_rows_bwd(top_k, residuals, g_sorted_pd):
 sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
 
 
-@jax.custom_vjp
-def unsort_sum(y_sorted_pd: jax.Array, weights_tk: jax.Array, perm_p: jax.Array) -> jax.Array:
-  """y [T, D] fp32 with y[t] = Σ_j w[t, j] · y_sorted[row of pair (t, j)], summed in fp32."""
+def _weighted_sum_pairs(y_sorted_pd, weights_tk, inv_p) -> jax.Array:
   num_tokens, top_k = weights_tk.shape
-  y_tkd = _rows(y_sorted_pd, inverse_permutation(perm_p)).reshape(num_tokens, top_k, -1)
+  y_tkd = _rows(y_sorted_pd, inv_p).reshape(num_tokens, top_k, -1)
   return jnp.sum(y_tkd.astype(jnp.float32) * weights_tk.astype(jnp.float32)[:, :, None], axis=1)
 
 
+@jax.custom_vjp
+def unsort_sum(y_sorted_pd: jax.Array, weights_tk: jax.Array, perm_p: jax.Array) -> jax.Array:
+  """y [T, D] fp32 with y[t] = Σ_j w[t, j] · y_sorted[row of pair (t, j)], summed in fp32."""
+  return _weighted_sum_pairs(y_sorted_pd, weights_tk, inverse_permutation(perm_p))
+
+
 def _unsort_sum_fwd(y_sorted_pd, weights_tk, perm_p):
-  return unsort_sum(y_sorted_pd, weights_tk, perm_p), (y_sorted_pd, weights_tk, perm_p)
+  inv_p = inverse_permutation(perm_p)
+  return (_weighted_sum_pairs(y_sorted_pd, weights_tk, inv_p),
+          (y_sorted_pd, weights_tk, perm_p, inv_p))
 
 
 def _unsort_sum_bwd(residuals, dy_td):
-  y_sorted_pd, weights_tk, perm_p = residuals
+  y_sorted_pd, weights_tk, perm_p, inv_p = residuals
   num_tokens, top_k = weights_tk.shape
   dy_td = dy_td.astype(jnp.float32)
   w_p = weights_tk.reshape(-1).astype(jnp.float32)
   d_sorted = _rows(dy_td, perm_p // top_k) * _rows(w_p, perm_p)[:, None]
-  y_tkd = _rows(y_sorted_pd, inverse_permutation(perm_p)).reshape(num_tokens, top_k, -1)
+  y_tkd = _rows(y_sorted_pd, inv_p).reshape(num_tokens, top_k, -1)
   d_weights = jnp.sum(y_tkd.astype(jnp.float32) * dy_td[:, None, :], axis=-1)
   return d_sorted.astype(y_sorted_pd.dtype), d_weights.astype(weights_tk.dtype), None
 
