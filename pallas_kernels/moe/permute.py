@@ -34,10 +34,12 @@ def _rows(x, idx):
   return x.at[idx].get(mode="promise_in_bounds")
 
 
-def _sum_pairs(y_sorted_pd, inv_p, top_k: int) -> jax.Array:
-  """Σ_j y_sorted[inv[t·k + j]] per token in fp32 → [T, D] fp32 (one gather + reduce)."""
-  y_tkd = _rows(y_sorted_pd, inv_p).reshape(-1, top_k, y_sorted_pd.shape[-1])
-  return jnp.sum(y_tkd.astype(jnp.float32), axis=1)
+def _sum_pairs(y_sorted_pd, inv_p, top_k: int, weights_tk=None) -> jax.Array:
+  """Σ_j [w[t, j] ·] y_sorted[inv[t·k + j]] per token, in fp32 → [T, D] (one gather + reduce)."""
+  y_tkd = _rows(y_sorted_pd, inv_p).reshape(-1, top_k, y_sorted_pd.shape[-1]).astype(jnp.float32)
+  if weights_tk is not None:
+    y_tkd = y_tkd * weights_tk.astype(jnp.float32)[:, :, None]
+  return jnp.sum(y_tkd, axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -47,6 +49,7 @@ def sort_rows(x_td: jax.Array, perm_p: jax.Array, top_k: int) -> jax.Array:
 
 
 def _sort_rows_fwd(x_td, perm_p, top_k):
+  # A zero-size array carries x's dtype (residuals must be arrays) for the gradient's cast.
   return sort_rows(x_td, perm_p, top_k), (perm_p, jnp.zeros((0,), x_td.dtype))
 
 
@@ -59,21 +62,15 @@ def _sort_rows_bwd(top_k, residuals, g_sorted_pd):
 sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
 
 
-def _weighted_sum_pairs(y_sorted_pd, weights_tk, inv_p) -> jax.Array:
-  num_tokens, top_k = weights_tk.shape
-  y_tkd = _rows(y_sorted_pd, inv_p).reshape(num_tokens, top_k, -1)
-  return jnp.sum(y_tkd.astype(jnp.float32) * weights_tk.astype(jnp.float32)[:, :, None], axis=1)
-
-
 @jax.custom_vjp
 def unsort_sum(y_sorted_pd: jax.Array, weights_tk: jax.Array, perm_p: jax.Array) -> jax.Array:
   """y [T, D] fp32 with y[t] = Σ_j w[t, j] · y_sorted[row of pair (t, j)], summed in fp32."""
-  return _weighted_sum_pairs(y_sorted_pd, weights_tk, inverse_permutation(perm_p))
+  return _unsort_sum_fwd(y_sorted_pd, weights_tk, perm_p)[0]
 
 
 def _unsort_sum_fwd(y_sorted_pd, weights_tk, perm_p):
   inv_p = inverse_permutation(perm_p)
-  return (_weighted_sum_pairs(y_sorted_pd, weights_tk, inv_p),
+  return (_sum_pairs(y_sorted_pd, inv_p, weights_tk.shape[1], weights_tk),
           (y_sorted_pd, weights_tk, perm_p, inv_p))
 
 

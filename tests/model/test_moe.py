@@ -148,8 +148,7 @@ def test_situ_glu_gradient_finite_everywhere():
 @pytest.mark.parametrize("linear_beta", [25.0, None])
 def test_situ_glu_gradient_equals_float64(linear_beta):
   """The gradient of situ_glu against autodiff of the formula in float64 at the same (rounded)
-  inputs, over
-  |g|, |u| up to ~60 and near 0. fp32 inputs: within 1e-6 of the largest gradient. bf16 inputs
+  inputs, over |g|, |u| up to ~60 and near 0. fp32 inputs: within 1e-6 of the largest gradient. bf16 inputs
   (bf16 gradients): within one bf16 rounding of each element (2⁻⁸ relative) + 1e-5 of the
   largest (∂SiTU/∂g crosses zero at one negative g, where no relative bound can hold)."""
   def formula(a, b):

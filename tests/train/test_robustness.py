@@ -45,8 +45,8 @@ def test_nonfinite_flags_name_the_group_and_the_first_leaf():
   names = [".".join(map(str, (getattr(k, "name", getattr(k, "key", k)) for k in p)))
            for p, _ in jax.tree_util.tree_flatten_with_path(bad)[0]]
   assert names[int(flags["nonfinite_leaf"])] == "params.b"
-  # Bad leaves in two groups, in shape buckets of their own and shared: every group's bit is
-  # set, and the first bad leaf in tree order is named (not the first one of its shape).
+  # Bad leaves in three groups, some of one shape: every group's bit is set, and the first bad
+  # leaf in tree order is named.
   two = step_lib.TrainState(bad.step, {"a": jnp.ones((3,)), "b": jnp.array([1.0, jnp.nan])},
                             {"bias": jnp.array([0.0, jnp.inf])}, {"mu": jnp.array([0, jnp.nan, 0])},
                             bad.loss_ema, bad.skipped)
