@@ -6,9 +6,12 @@ For each B×T×d and every valid block count 0 … N (N = --blocks slots in the 
 times one mixing site and the RMSNorm after it, in bfloat16 with fp32 statistics:
   reference  `attn_res_mix(with_partial(blocks, num_blocks, p), num_blocks + 1, …)`, the
              sources buffer built per site and differentiated by autodiff;
-  stream     `mix_stream(blocks, num_blocks, p, …)`, the buffer read in place with the explicit
-             VJP (what the model runs).
-forward+backward is the gradient of Σ out · cotangent with respect to blocks, p, query and gain.
+  xla        `mix_pass(blocks, num_blocks, p, …, backend="xla")`, the buffer read in place with
+             the explicit VJP in pure JAX;
+  pallas_gpu the same with the backward kernel (GPU only; what the model runs there).
+forward+backward is the gradient of Σ out · cotangent + Σ blocks' · ct_blocks + Σ p' · ct_p with
+respect to blocks, p, query and gain, where (blocks', p') is the stream the site passes on: the
+cotangents that later sites send back, which the mix's backward adds its gradients into.
 Checks that both give the same output and gradients (each output's largest difference over its
 largest magnitude ≤ 2e-2: bf16 rounding, and on GPUs the reference's fp32 einsums run at the
 default matmul precision), then prints one JSON line
@@ -28,6 +31,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import _flags, _record  # noqa: E402
 from k3train.model import attnres, layers  # noqa: E402
+from pallas_kernels import attnres as attnres_ops  # noqa: E402
 
 PROG = "python benchmarks/attnres.py"
 EPS = 1e-6
@@ -41,29 +45,42 @@ FLAGS = (
 
 def _paths():
   """Each site as the model runs it: the mix, then the RMSNorm that consumes it (XLA fuses the
-  two, so their cost is measured together)."""
+  two, so their cost is measured together); each returns (normed output, blocks', p')."""
   def reference(blocks, n, p, q, g):
-    mix = attnres.attn_res_mix(attnres.with_partial(blocks, n, p), n + 1, q, g, EPS)
-    return layers.rms_norm(mix, g, EPS)
+    mix = attnres_ops.attn_res_mix(attnres.with_partial(blocks, n, p), n + 1, q, g, EPS)
+    return layers.rms_norm(mix, g, EPS), blocks, p
 
-  def stream(blocks, n, p, q, g):
-    return layers.rms_norm(attnres.mix_stream(blocks, n, p, q, g, EPS), g, EPS)
+  def stream(backend):
+    def run(blocks, n, p, q, g):
+      mix, blocks, p = attnres_ops.mix_pass(blocks, n, p, q, g, EPS, backend)
+      return layers.rms_norm(mix, g, EPS), blocks, p
+    return run
 
-  return {"reference": reference, "stream": stream}
+  paths = {"reference": reference, "xla": stream("xla")}
+  if jax.default_backend() == "gpu":
+    paths["pallas_gpu"] = stream("pallas_gpu")
+  return paths
 
 
 def measure(b: int, t: int, d: int, num_slots: int, iters: int) -> list[dict]:
-  keys = jax.random.split(jax.random.key(0), 5)
+  keys = jax.random.split(jax.random.key(0), 7)
   blocks = jax.random.normal(keys[0], (num_slots, b, t, d), jnp.float32).astype(jnp.bfloat16)
   p = jax.random.normal(keys[1], (b, t, d), jnp.float32).astype(jnp.bfloat16)
   q = 0.05 * jax.random.normal(keys[2], (d,), jnp.float32)
   g = 1.0 + 0.1 * jax.random.normal(keys[3], (d,), jnp.float32)
   cot = jax.random.normal(keys[4], (b, t, d), jnp.float32).astype(jnp.bfloat16)
+  ct_blocks = jax.random.normal(keys[5], blocks.shape, jnp.float32).astype(jnp.bfloat16)
+  ct_p = jax.random.normal(keys[6], p.shape, jnp.float32).astype(jnp.bfloat16)
+
+  def loss(fn, bl, n, p, q, g):
+    out, bl_out, p_out = fn(bl, n, p, q, g)
+    return sum(jnp.sum((x * c).astype(jnp.float32))
+               for x, c in ((out, cot), (bl_out, ct_blocks), (p_out, ct_p)))
+
   rows, results = [], {}
   for name, fn in _paths().items():
-    fwd = jax.jit(fn)
-    grad = jax.jit(jax.grad(lambda bl, n, p, q, g, fn=fn: jnp.sum(
-        (fn(bl, n, p, q, g) * cot).astype(jnp.float32)), argnums=(0, 2, 3, 4)))
+    fwd = jax.jit(lambda *a, fn=fn: fn(*a)[0])
+    grad = jax.jit(jax.grad(lambda *a, fn=fn: loss(fn, *a), argnums=(0, 2, 3, 4)))
     fwd_s, bwd_s = [], []
     for n in range(num_slots + 1):
       args = (blocks, jnp.int32(n), p, q, g)
@@ -75,9 +92,14 @@ def measure(b: int, t: int, d: int, num_slots: int, iters: int) -> list[dict]:
                  "fwd_bwd_ms": round(1e3 * float(np.median(bwd_s)), 4),
                  "fwd_ms_by_count": [round(1e3 * x, 4) for x in fwd_s],
                  "fwd_bwd_ms_by_count": [round(1e3 * x, 4) for x in bwd_s]})
-  (out_r, grads_r), (out_s, grads_s) = results["reference"], results["stream"]
-  errors = _record.relative_errors(("out", "d_blocks", "d_p", "d_query", "d_gain"),
-                                   (out_r, *grads_r), (out_s, *grads_s))
+  out_r, grads_r = results["reference"]
+  errors = {}
+  for name in results:
+    if name != "reference":
+      out_s, grads_s = results[name]
+      errors.update({f"{name}:{k}": v for k, v in _record.relative_errors(
+          ("out", "d_blocks", "d_p", "d_query", "d_gain"), (out_r, *grads_r),
+          (out_s, *grads_s)).items()})
   return _record.mark_agreement(rows, errors, AGREE, key="agree_bf16")
 
 

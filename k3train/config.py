@@ -18,6 +18,7 @@ import ml_collections
 
 from k3train import defaults
 from pallas_kernels import attention as attention_op
+from pallas_kernels import attnres as attnres_op
 from pallas_kernels import kda as kda_op
 from pallas_kernels import moe as moe_ops
 from k3train.quant import mx
@@ -38,6 +39,7 @@ EXPERT_EXCHANGES = ("auto", "all_to_all", "ragged")
 KDA_BACKENDS = kda_op.BACKENDS
 MOE_BACKENDS = moe_ops.BACKENDS
 ATTENTION_BACKENDS = attention_op.BACKENDS
+ATTNRES_BACKENDS = attnres_op.BACKENDS
 QAT_GEMMS = ("auto", "fake_quant", "mx")     # model.quant.gemm (k3train/model/moe.py)
 # `data` keys that may change between curriculum stages (and so between a checkpoint and the run
 # restoring it): the data iterator re-plans them without losing its place in any source.
@@ -190,6 +192,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(m.mtp.loss_weight >= 0, "model.mtp.loss_weight", f"must be >= 0, got {m.mtp.loss_weight}")
   _require(m.attn_res.block_size >= 1, "model.attn_res.block_size",
            f"must be >= 1 decoder layers, got {m.attn_res.block_size}")
+  _require(m.attn_res.backend in ATTNRES_BACKENDS, "model.attn_res.backend",
+           f"must be one of {ATTNRES_BACKENDS}, got {m.attn_res.backend!r}")
 
   _validate_data(cfg.data)
   _validate_vision(m, cfg.data)

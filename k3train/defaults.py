@@ -72,6 +72,7 @@ def k3_full() -> ml_collections.ConfigDict:
 
   r = m.attn_res = ml_collections.ConfigDict()
   r.block_size = 12               # decoder layers per AttnRes block
+  r.backend = "auto"              # see pallas_kernels.attnres: xla | pallas_gpu | auto
 
   mt = m.mtp = ml_collections.ConfigDict()     # multi-token prediction (docs/maths.md §8, k3train/model/mtp.py)
   mt.enabled = True               # one MLA + MoE module predicting t+2; released as model.mtp.*

@@ -58,11 +58,12 @@ class DecodeCache:
 
 def _layer(layer: DecoderLayer, stream, layer_index, mixer_fn, token_mask_bt):
   """DecoderLayer.__call__'s wiring with the mixer call replaced by `mixer_fn(x) -> (y, cache)`."""
-  h = layer.attn_res(stream)
+  h, stream = layer.attn_res(stream)
   blocks, num_blocks, p = attnres.maybe_start_block(stream, layer_index, layer.block_size)
   y, cache = mixer_fn(layer.attn_norm(h))
   p = p + y
-  h = layer.mlp_norm(layer.mlp_res((blocks, num_blocks, p)))
+  h, (blocks, num_blocks, p) = layer.mlp_res((blocks, num_blocks, p))
+  h = layer.mlp_norm(h)
   p = p + (layer.ffn(h) if layer.ffn_kind == "dense" else layer.ffn(h, token_mask_bt))
   return (blocks, num_blocks, p), cache
 
@@ -128,7 +129,7 @@ def _run(model: K3Model, stream, layer_fn, caches=None):
 
 
 def _head(model: K3Model, stream) -> jax.Array:
-  h = model.out_res(stream)
+  h = model.out_res(stream)[0]
   return model.lm_head(model.final_norm(h)).astype(jnp.float32)
 
 

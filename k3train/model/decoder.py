@@ -39,7 +39,8 @@ class DecoderLayer(nnx.Module):
     dtype, param_dtype = layers.dtype_from_name(m.dtype), layers.dtype_from_name(m.param_dtype)
     d = m.d_model
     self.block_size = m.attn_res.block_size
-    self.attn_res = attnres.AttnResMix(d, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.attn_res = attnres.AttnResMix(d, eps=m.norm_eps, backend=m.attn_res.backend,
+                                       param_dtype=param_dtype, rngs=rngs)
     self.attn_norm = layers.RMSNorm(d, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
     if mixer == "kda":
       self.mixer = KimiDeltaAttention(m.kda, d_model=d, init_std=m.init_std, norm_eps=m.norm_eps,
@@ -47,7 +48,8 @@ class DecoderLayer(nnx.Module):
     else:
       self.mixer = GatedMLA(m.mla, d_model=d, init_std=m.init_std, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
-    self.mlp_res = attnres.AttnResMix(d, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.mlp_res = attnres.AttnResMix(d, eps=m.norm_eps, backend=m.attn_res.backend,
+                                      param_dtype=param_dtype, rngs=rngs)
     self.mlp_norm = layers.RMSNorm(d, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
     if ffn == "dense":
       self.ffn = layers.GluMLP(d, m.dense_ffn_hidden, beta=m.situ_beta, linear_beta=m.situ_linear_beta,
@@ -59,10 +61,10 @@ class DecoderLayer(nnx.Module):
     self.ffn_kind = ffn
 
   def __call__(self, stream, layer_index, segment_ids_bt, token_mask_bt):
-    h = self.attn_res(stream)
+    h, stream = self.attn_res(stream)
     blocks, num_blocks, p = attnres.maybe_start_block(stream, layer_index, self.block_size)
     p = p + self.mixer(self.attn_norm(h), segment_ids_bt)
-    h = self.mlp_res((blocks, num_blocks, p))
+    h, (blocks, num_blocks, p) = self.mlp_res((blocks, num_blocks, p))
     h = self.mlp_norm(h)
     p = p + (self.ffn(h) if self.ffn_kind == "dense" else self.ffn(h, token_mask_bt))
     p = constrain(p, ax.BATCH, ax.SEQ, ax.EMBED)
@@ -107,7 +109,8 @@ class K3Model(nnx.Module):
     self.stack = nnx.data(stack)
     self.suffix = nnx.List([DecoderLayer(m, *sched.kinds[i], rngs=rngs)
                             for i in range(sched.suffix_start, m.num_layers)])
-    self.out_res = attnres.AttnResMix(m.d_model, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.out_res = attnres.AttnResMix(m.d_model, eps=m.norm_eps, backend=m.attn_res.backend,
+                                      param_dtype=param_dtype, rngs=rngs)
     self.final_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.lm_head = layers.Linear((m.d_model,), (m.vocab_size,), (ax.EMBED, ax.VOCAB), std=m.init_std,
                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -184,7 +187,7 @@ class K3Model(nnx.Module):
     for i, layer in enumerate(self.suffix):
       stream = self._run_layer(layer, stream, self.schedule.suffix_start + i, segment_ids_bt,
                                token_mask_bt)
-    return self.out_res(stream)
+    return self.out_res(stream)[0]
 
   def mtp_hidden(self, h_btd, next_tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
     """The MTP module's normalised output [B, T, d] at every position i (its `lm_head` logits

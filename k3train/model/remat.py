@@ -29,12 +29,13 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.attention import vjp as attention_vjp
+from pallas_kernels.attnres import vjp as attnres_vjp
 
 ROUTING = "moe_routing"
 EXPERT_MLP = "moe_expert_mlp"
 KDA_CONV = "kda_conv"
 ATTENTION = attention_vjp.RESIDUAL_NAME
-ATTNRES_STATS = "attnres_stats"
+ATTNRES_STATS = attnres_vjp.STATS_NAME
 SELECTIVE_NAMES = (ROUTING, EXPERT_MLP, KDA_CONV, ATTENTION, ATTNRES_STATS)
 
 

@@ -15,12 +15,13 @@ import pytest
 from flax import nnx
 
 from k3train.model import attnres
+from pallas_kernels import attnres as attnres_ops
 
 EPS = 1e-5
 TOL = 2e-6
 
 # num_valid is traced, so every source count of one shape shares a compilation.
-_mix = jax.jit(attnres.attn_res_mix, static_argnums=(4,))
+_mix = jax.jit(attnres_ops.attn_res_mix, static_argnums=(4,))
 
 
 def mix(sources, num_valid, query, gain, eps=EPS):
@@ -139,7 +140,7 @@ def test_permutation_equivariance_over_valid_sources():
 
 
 _grad_query = jax.jit(jax.grad(
-    lambda q, src, g, cot: jnp.sum(attnres.attn_res_mix(src, 3, q, g, EPS) * cot)))
+    lambda q, src, g, cot: jnp.sum(attnres_ops.attn_res_mix(src, 3, q, g, EPS) * cot)))
 
 
 def test_gradient_wrt_query_at_zero_init():
@@ -165,8 +166,12 @@ def test_mix_module_zero_init_and_matches_function():
   site = attnres.AttnResMix(D, eps=EPS, rngs=nnx.Rngs(params=jax.random.key(0, impl="rbg")))
   np.testing.assert_array_equal(np.asarray(site.query[...]), np.zeros(D))
   np.testing.assert_array_equal(np.asarray(site.norm_scale[...]), np.ones(D))
-  out = np.asarray(site((jnp.asarray(SRC[:-1]), jnp.int32(3), jnp.asarray(SRC[3]))))
-  np.testing.assert_allclose(out, SRC[:4].astype(np.float64).mean(0), rtol=TOL, atol=TOL)
+  stream = (jnp.asarray(SRC[:-1]), jnp.int32(3), jnp.asarray(SRC[3]))
+  out, passed = site(stream)
+  np.testing.assert_allclose(np.asarray(out), SRC[:4].astype(np.float64).mean(0), rtol=TOL, atol=TOL)
+  # The site hands back the stream it read, unchanged.
+  for got, want in zip(passed, stream):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # ----------------------------------------------------------------------------- mix_stream
@@ -188,10 +193,10 @@ def _mix64(blocks, num_blocks, p, query, gain, eps=EPS):
 def test_mix_stream_value_and_gradients_match_fp64(num_blocks):
   args = (BLOCKS, PARTIAL, QUERY, GAIN)
   fast = jax.jit(jax.value_and_grad(
-      lambda b, p, q, g: jnp.sum(attnres.mix_stream(b, num_blocks, p, q, g, EPS) * COT),
+      lambda b, p, q, g: jnp.sum(attnres_ops.mix_stream(b, num_blocks, p, q, g, EPS) * COT),
       argnums=(0, 1, 2, 3)))
   value, grads = fast(*map(jnp.asarray, args))
-  out = attnres.mix_stream(*map(jnp.asarray, (BLOCKS, num_blocks, PARTIAL, QUERY, GAIN)), EPS)
+  out = attnres_ops.mix_stream(*map(jnp.asarray, (BLOCKS, num_blocks, PARTIAL, QUERY, GAIN)), EPS)
   np.testing.assert_allclose(out, ref_mix(np.concatenate([BLOCKS[:num_blocks], PARTIAL[None]]),
                                           num_blocks + 1, QUERY, GAIN), rtol=TOL, atol=TOL)
   with jax.enable_x64():
@@ -219,13 +224,13 @@ def test_mix_stream_equals_reference_path_in_bf16():
     return jax.jit(jax.grad(lambda b, p, q, g: jnp.sum(fn(b, p, q, g).astype(jnp.float32) * COT),
                             argnums=(0, 1, 2, 3)))
 
-  fast = loss(lambda b, p, q, g: attnres.mix_stream(b, 3, p, q, g, EPS))
-  ref = loss(lambda b, p, q, g: attnres.attn_res_mix(attnres.with_partial(b, 3, p), 4, q, g, EPS))
-  out = attnres.mix_stream(blocks, 3, p, q, g, EPS)
+  fast = loss(lambda b, p, q, g: attnres_ops.mix_stream(b, 3, p, q, g, EPS))
+  ref = loss(lambda b, p, q, g: attnres_ops.attn_res_mix(attnres.with_partial(b, 3, p), 4, q, g, EPS))
+  out = attnres_ops.mix_stream(blocks, 3, p, q, g, EPS)
   assert out.dtype == jnp.bfloat16
   np.testing.assert_allclose(
       np.asarray(out, np.float32),
-      np.asarray(attnres.attn_res_mix(attnres.with_partial(blocks, 3, p), 4, q, g, EPS), np.float32),
+      np.asarray(attnres_ops.attn_res_mix(attnres.with_partial(blocks, 3, p), 4, q, g, EPS), np.float32),
       rtol=1e-2, atol=1e-2)
   for got, want in zip(fast(blocks, p, q, g), ref(blocks, p, q, g)):
     assert got.dtype == want.dtype
@@ -240,7 +245,7 @@ def test_selective_remat_keeps_the_statistics_not_the_sources():
   from k3train.model import remat
 
   def site(blocks, p, q, g):
-    return attnres.mix_stream(blocks, 2, jnp.sin(p), q, g, EPS)
+    return attnres_ops.mix_stream(blocks, 2, jnp.sin(p), q, g, EPS)
 
   fn = jax.checkpoint(site, policy=remat.policy("selective"))
   saved = saved_residuals(fn, *map(jnp.asarray, (BLOCKS, PARTIAL, QUERY, GAIN)))
@@ -263,7 +268,7 @@ def _layer_step(stream, layer_index, attn_out, mlp_out):
   """The wiring order of DecoderLayer.__call__, with the sublayer outputs given."""
   blocks, num_blocks, p = stream
   attn_sources, attn_n = attnres.with_partial(blocks, num_blocks, p), num_blocks + 1
-  attn_mix = attnres.mix_stream(blocks, num_blocks, p, QUERY[:4], GAIN[:4], EPS)
+  attn_mix = attnres_ops.mix_stream(blocks, num_blocks, p, QUERY[:4], GAIN[:4], EPS)
   blocks, num_blocks, p = attnres.maybe_start_block(stream, layer_index, 12)
   p = p + attn_out
   mlp_sources, mlp_n = attnres.with_partial(blocks, num_blocks, p), num_blocks + 1
