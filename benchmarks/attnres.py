@@ -1,6 +1,7 @@
 """AttnRes mixing sites: forward and forward+backward device time of the two implementations.
 
   python benchmarks/attnres.py [--shapes=2x4096x2048] [--blocks=4] [--iters=50]
+                               [--kernel_settings=rows:chunk:num_warps,...]
 
 For each B×T×d and every valid block count 0 … N (N = --blocks slots in the stream's buffer),
 times one mixing site and the RMSNorm after it, in bfloat16 with fp32 statistics:
@@ -32,6 +33,7 @@ import numpy as np  # noqa: E402
 from benchmarks import _flags, _record  # noqa: E402
 from k3train.model import attnres, layers  # noqa: E402
 from pallas_kernels import attnres as attnres_ops  # noqa: E402
+from pallas_kernels.attnres import pallas_gpu as attnres_pallas_gpu  # noqa: E402
 
 PROG = "python benchmarks/attnres.py"
 EPS = 1e-6
@@ -40,10 +42,12 @@ FLAGS = (
     _flags.Flag("shapes", "list", ["2x4096x2048"], "B×T×d to time"),
     _flags.Flag("blocks", "int", 4, "block slots of the stream (N_max − 1)"),
     _flags.Flag("iters", "int", 50, "timed calls per setting"),
+    _flags.Flag("kernel_settings", "list", [],
+                "extra pallas_gpu launch settings to time, each rows:chunk:num_warps"),
 )
 
 
-def _paths():
+def _paths(settings=()):
   """Each site as the model runs it: the mix, then the RMSNorm that consumes it (XLA fuses the
   two, so their cost is measured together); each returns (normed output, blocks', p')."""
   def reference(blocks, n, p, q, g):
@@ -56,13 +60,17 @@ def _paths():
       return layers.rms_norm(mix, g, EPS), blocks, p
     return run
 
-  paths = {"reference": reference, "xla": stream("xla")}
+  paths = {"reference": (reference, None), "xla": (stream("xla"), None)}
   if jax.default_backend() == "gpu":
-    paths["pallas_gpu"] = stream("pallas_gpu")
+    paths["pallas_gpu"] = (stream("pallas_gpu"), None)
+    for text in settings:
+      rows, chunk, warps = (int(x) for x in text.split(":"))
+      paths[f"pallas_gpu[{text}]"] = (stream("pallas_gpu"),
+                                      dict(rows=rows, chunk=chunk, num_warps=warps))
   return paths
 
 
-def measure(b: int, t: int, d: int, num_slots: int, iters: int) -> list[dict]:
+def measure(b: int, t: int, d: int, num_slots: int, iters: int, settings=()) -> list[dict]:
   keys = jax.random.split(jax.random.key(0), 7)
   blocks = jax.random.normal(keys[0], (num_slots, b, t, d), jnp.float32).astype(jnp.bfloat16)
   p = jax.random.normal(keys[1], (b, t, d), jnp.float32).astype(jnp.bfloat16)
@@ -78,15 +86,16 @@ def measure(b: int, t: int, d: int, num_slots: int, iters: int) -> list[dict]:
                for x, c in ((out, cot), (bl_out, ct_blocks), (p_out, ct_p)))
 
   rows, results = [], {}
-  for name, fn in _paths().items():
-    fwd = jax.jit(lambda *a, fn=fn: fn(*a)[0])
-    grad = jax.jit(jax.grad(lambda *a, fn=fn: loss(fn, *a), argnums=(0, 2, 3, 4)))
-    fwd_s, bwd_s = [], []
-    for n in range(num_slots + 1):
-      args = (blocks, jnp.int32(n), p, q, g)
-      fwd_s.append(_record.median_call_seconds(fwd, args, iters))
-      bwd_s.append(_record.median_call_seconds(grad, args, iters))
-    results[name] = (fwd(blocks, jnp.int32(2), p, q, g), grad(blocks, jnp.int32(2), p, q, g))
+  for name, (fn, overrides) in _paths(settings).items():
+    with attnres_pallas_gpu.configured(**(overrides or {})):
+      fwd = jax.jit(lambda *a, fn=fn: fn(*a)[0])
+      grad = jax.jit(jax.grad(lambda *a, fn=fn: loss(fn, *a), argnums=(0, 2, 3, 4)))
+      fwd_s, bwd_s = [], []
+      for n in range(num_slots + 1):
+        args = (blocks, jnp.int32(n), p, q, g)
+        fwd_s.append(_record.median_call_seconds(fwd, args, iters))
+        bwd_s.append(_record.median_call_seconds(grad, args, iters))
+      results[name] = (fwd(blocks, jnp.int32(2), p, q, g), grad(blocks, jnp.int32(2), p, q, g))
     rows.append({"shape": f"{b}x{t}x{d}", "slots": num_slots, "path": name,
                  "fwd_ms": round(1e3 * float(np.median(fwd_s)), 4),
                  "fwd_bwd_ms": round(1e3 * float(np.median(bwd_s)), 4),
@@ -108,10 +117,11 @@ def main(argv=None) -> int:
   if args.exit_code is not None:
     return args.exit_code
   f = args.flags
-  rows = _record.over_shapes(f.shapes, lambda b, t, d: measure(b, t, d, f.blocks, f.iters))
-  print(f"{'shape':>14} {'path':>9} {'fwd ms':>8} {'fwd+bwd ms':>10} agree")
+  rows = _record.over_shapes(f.shapes, lambda b, t, d: measure(b, t, d, f.blocks, f.iters,
+                                                                    f.kernel_settings))
+  print(f"{'shape':>14} {'path':>22} {'fwd ms':>8} {'fwd+bwd ms':>10} agree")
   for r in rows:
-    print(f"{r['shape']:>14} {r['path']:>9} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>10.3f} "
+    print(f"{r['shape']:>14} {r['path']:>22} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>10.3f} "
           f"{r['agree_bf16']}")
   return 0
 

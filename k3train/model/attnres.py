@@ -62,13 +62,40 @@ def with_partial(blocks_nbtd: jax.Array, num_blocks: jax.Array, p_btd: jax.Array
 def maybe_start_block(stream, layer_index: jax.Array, block_size: int):
   """At a block start (layer_index % block_size == 0) close the running sum into the block list.
 
-  Touches one slot of the buffer (an in-place update inside a scan), not the whole buffer.
+  Touches one slot of the buffer (an in-place update inside a scan), not the whole buffer, and so
+  does its backward (`_close_block`'s VJP).
   """
   blocks, num_blocks, p = stream
   start = (layer_index % block_size) == 0
-  slot = jax.lax.dynamic_index_in_dim(blocks, num_blocks, axis=0, keepdims=False)
-  blocks = jax.lax.dynamic_update_index_in_dim(blocks, jnp.where(start, p, slot), num_blocks, axis=0)
-  return blocks, num_blocks + start.astype(jnp.int32), jnp.where(start, jnp.zeros_like(p), p)
+  blocks, p = _close_block(blocks, num_blocks, p, start)
+  return blocks, num_blocks + start.astype(jnp.int32), p
+
+
+@jax.custom_vjp
+def _close_block(blocks_nbtd, num_blocks, p_btd, start):
+  """(blocks with slot num_blocks set to p, zeros for p) where `start`, else (blocks, p)."""
+  slot = jax.lax.dynamic_index_in_dim(blocks_nbtd, num_blocks, axis=0, keepdims=False)
+  blocks_nbtd = jax.lax.dynamic_update_index_in_dim(blocks_nbtd, jnp.where(start, p_btd, slot),
+                                                    num_blocks, axis=0)
+  return blocks_nbtd, jnp.where(start, jnp.zeros_like(p_btd), p_btd)
+
+
+def _close_block_fwd(blocks_nbtd, num_blocks, p_btd, start):
+  return _close_block(blocks_nbtd, num_blocks, p_btd, start), (num_blocks, start)
+
+
+def _close_block_bwd(residuals, cotangents):
+  """At a start the slot's cotangent moves to p and the slot's is zeroed; otherwise both pass
+  through. One slot is read and rewritten in place (autodiff would add two full buffers)."""
+  num_blocks, start = residuals
+  ct_blocks, ct_p = cotangents
+  ct_slot = jax.lax.dynamic_index_in_dim(ct_blocks, num_blocks, axis=0, keepdims=False)
+  ct_blocks = jax.lax.dynamic_update_index_in_dim(
+      ct_blocks, jnp.where(start, jnp.zeros_like(ct_slot), ct_slot), num_blocks, axis=0)
+  return ct_blocks, None, jnp.where(start, ct_slot, ct_p), None
+
+
+_close_block.defvjp(_close_block_fwd, _close_block_bwd)
 
 
 def max_blocks(num_layers: int, block_size: int) -> int:

@@ -18,6 +18,7 @@ block count, not with the buffer size. Grid: one program per `rows` rows of B·T
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -30,25 +31,52 @@ from pallas_kernels.attnres import xla
 F32 = jnp.float32
 
 
+def _pow2(x: int) -> bool:
+  return x >= 1 and x & (x - 1) == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """Launch parameters (measured in benchmarks/attnres.md)."""
+  """Launch parameters (measured in benchmarks/attnres.md). Validated on construction."""
   rows: int = 16        # rows of B·T per program (power of two)
-  chunk: int = 256      # columns of d per step (power of two; at most d)
-  num_warps: int = 4
+  chunk: int = 256      # columns of d per step (power of two >= 16; smaller when d needs it)
+  num_warps: int = 4    # 1, 2, 4, 8 or 16
+
+  def __post_init__(self):
+    if not _pow2(self.rows):
+      raise ValueError(f"attnres pallas_gpu: rows must be a power of two, got {self.rows!r}")
+    if not (_pow2(self.chunk) and self.chunk >= 16):
+      raise ValueError(f"attnres pallas_gpu: chunk must be a power of two >= 16, got "
+                       f"{self.chunk!r}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"attnres pallas_gpu: num_warps must be 1, 2, 4, 8 or 16, got "
+                       f"{self.num_warps!r}")
 
 
 SETTINGS = Settings()
 
 
-def _pow2(x: int) -> bool:
-  return x >= 1 and x & (x - 1) == 0
+@contextlib.contextmanager
+def configured(**overrides):
+  """Temporarily replace fields of SETTINGS (keywords of `Settings`; None leaves one unchanged).
+  Bad values raise before anything changes. JAX's caches are cleared on entry and exit, so
+  compile and run what should use the settings inside the block."""
+  global SETTINGS
+  saved = SETTINGS
+  new = dataclasses.replace(saved, **{k: v for k, v in overrides.items() if v is not None})
+  jax.clear_caches()
+  try:
+    SETTINGS = new
+    yield new
+  finally:
+    SETTINGS = saved
+    jax.clear_caches()
 
 
-def chunk_for(d: int, settings: Settings = SETTINGS) -> int | None:
+def chunk_for(d: int, settings: Settings | None = None) -> int | None:
   """The d-chunk the kernel uses for width d: `settings.chunk` or the largest power of two below
   it that divides d (at least 16); None when there is none."""
-  c = settings.chunk
+  c = (settings or SETTINGS).chunk
   while c >= 16:
     if d % c == 0:
       return c
@@ -56,8 +84,9 @@ def chunk_for(d: int, settings: Settings = SETTINGS) -> int | None:
   return None
 
 
-def supports(num_rows: int, d: int, settings: Settings = SETTINGS) -> bool:
+def supports(num_rows: int, d: int, settings: Settings | None = None) -> bool:
   """Whether the kernel tiles B·T = num_rows rows of width d."""
+  settings = settings or SETTINGS
   return num_rows % settings.rows == 0 and chunk_for(d, settings) is not None
 
 
@@ -119,9 +148,10 @@ def _kernel(blocks_ref, p_ref, g_ref, probs_ref, r_ref, s_ref, w_ref, ct_blocks_
 
 
 def mix_backward(blocks_nbtd, p_btd, w_d, stats, g_btd, ct_blocks_nbtd, ct_p_btd, *,
-                 interpret: bool = False, settings: Settings = SETTINGS):
+                 interpret: bool = False, settings: Settings | None = None):
   """xla.mix_backward's contract: (ct_blocks + ∂L/∂blocks, ct_p + ∂L/∂p, ∂L/∂w [d] fp32), the
-  block cotangent updated in place."""
+  block cotangent updated in place. `settings`: SETTINGS when None."""
+  settings = settings or SETTINGS
   n, b, t, d = blocks_nbtd.shape
   num_rows = b * t
   if not supports(num_rows, d, settings):
