@@ -7,7 +7,7 @@ sources blocks[:num_blocks] + [p].
 
 The mix itself lives in pallas_kernels/attnres (the oracle `attn_res_mix` over an explicit
 sources buffer; `mix_pass` over the stream, with an explicit VJP that keeps three [N + 1, B, T]
-statistics and, on GPUs, a backward kernel). A site returns the stream it read, passed through
+statistics and, on GPUs, a backward kernel); k3train/parallel/attnres.py runs it under a mesh. A site returns the stream it read, passed through
 `mix_pass`, and the layer carries that one on, so that the backward adds each site's source
 gradients into the stream's cotangent in place.
 """
@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3train.parallel import attnres as parallel_attnres
 from k3train.parallel import axes as ax
 from k3train.model import layers
-from pallas_kernels import attnres as attnres_ops
 
 
 # ----------------------------------------------------------------------------- sites and stream
@@ -41,8 +41,9 @@ class AttnResMix(nnx.Module):
     carry on: the same values, passed through the mix so that its backward sees their
     cotangents)."""
     blocks, num_blocks, p = stream
-    h, blocks, p = attnres_ops.mix_pass(blocks, num_blocks, p, self.query[...],
-                                        self.norm_scale[...], self.eps, self.backend)
+    h, blocks, p = parallel_attnres.mix_pass(blocks, num_blocks, p, self.query[...],
+                                             self.norm_scale[...], eps=self.eps,
+                                             backend=self.backend)
     return h, (blocks, num_blocks, p)
 
 

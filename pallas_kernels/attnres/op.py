@@ -13,7 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attnres import pallas_gpu, vjp
+import functools
+
+from pallas_kernels.attnres import pallas_gpu, vjp, xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu")
 
@@ -30,7 +32,16 @@ def resolve_backend(backend: str, num_rows: int | None = None, d: int | None = N
   return "xla"
 
 
-def _validate(blocks_nbtd, p_btd, query_d, gain_d):
+def backward_fn(backend: str):
+  """The backward of a resolved backend, with xla.mix_backward's contract."""
+  if backend == "pallas_gpu":
+    return functools.partial(pallas_gpu.mix_backward, interpret=jax.default_backend() != "gpu")
+  if backend == "xla":
+    return xla.mix_backward
+  raise ValueError(f"attnres: {backend!r} is not a resolved backend (xla | pallas_gpu)")
+
+
+def validate(blocks_nbtd, p_btd, query_d, gain_d):
   if blocks_nbtd.ndim != 4 or p_btd.ndim != 3 or blocks_nbtd.shape[1:] != p_btd.shape:
     raise ValueError(f"attnres: blocks {tuple(blocks_nbtd.shape)} and partial sum "
                      f"{tuple(p_btd.shape)} must be [N, B, T, d] and [B, T, d]")
@@ -43,13 +54,13 @@ def _validate(blocks_nbtd, p_btd, query_d, gain_d):
 @jax.named_scope("attnres")
 def mix_pass(blocks_nbtd, num_blocks, p_btd, query_d, gain_d, eps: float, backend: str = "auto"):
   """(the mix over blocks[:num_blocks] + [p], [B, T, d] in p's dtype; blocks; p)."""
-  _validate(blocks_nbtd, p_btd, query_d, gain_d)
+  validate(blocks_nbtd, p_btd, query_d, gain_d)
   b, t, d = p_btd.shape
   backend = resolve_backend(backend, b * t, d)
   if backend == "pallas_gpu" and not pallas_gpu.supports(b * t, d):
     raise ValueError(f"attnres: backend pallas_gpu does not tile B·T = {b * t} rows of width {d}")
   return vjp.mix_pass(blocks_nbtd, jnp.asarray(num_blocks, jnp.int32), p_btd, query_d, gain_d,
-                      float(eps), backend)
+                      float(eps), backward_fn(backend))
 
 
 def mix_stream(blocks_nbtd, num_blocks, p_btd, query_d, gain_d, eps: float,
