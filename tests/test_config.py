@@ -268,3 +268,10 @@ def test_optim_section_errors_name_the_key(key, value, fragment):
   cfg.optim[key] = value
   with pytest.raises(config_lib.ConfigError, match=fragment):
     config_lib.validate(cfg)
+
+
+def test_attn_res_backend_must_be_known():
+  cfg = k3_tiny.get_config()
+  cfg.model.attn_res.backend = "triton"
+  with pytest.raises(config_lib.ConfigError, match="model.attn_res.backend"):
+    config_lib.validate(cfg)

@@ -316,3 +316,34 @@ def test_k3_schedule_source_counts_and_contents():
   np.testing.assert_array_equal(np.asarray(out_sources[0]), emb)
   np.testing.assert_array_equal(np.asarray(out_sources[3]), outs[24:36].sum(axis=(0, 1)))
   np.testing.assert_array_equal(np.asarray(out_sources[8]), outs[84:93].sum(axis=(0, 1)))
+
+
+@pytest.mark.parametrize("num_blocks,layer_index", [(0, 0), (0, 5), (2, 12), (2, 13), (3, 24)])
+def test_closing_a_block_backward_equals_autodiff_of_the_update(num_blocks, layer_index):
+  """maybe_start_block's explicit VJP (one slot read and rewritten) equals autodiff of the plain
+  update (slot num_blocks ← p and p ← 0 at a block start, else unchanged), bitwise."""
+  rng = np.random.default_rng(num_blocks + layer_index)
+  blocks, p = rng.standard_normal((4, B, T, D)), rng.standard_normal((B, T, D))
+  ct_blocks, ct_p = rng.standard_normal((4, B, T, D)), rng.standard_normal((B, T, D))
+  blocks, p, ct_blocks, ct_p = (jnp.asarray(x, jnp.float32) for x in (blocks, p, ct_blocks, ct_p))
+
+  def plain(blocks, p):
+    start = (layer_index % 12) == 0
+    slot = blocks[num_blocks]
+    return blocks.at[num_blocks].set(jnp.where(start, p, slot)), jnp.where(start, 0.0 * p, p)
+
+  def explicit(blocks, p):
+    out = attnres.maybe_start_block((blocks, jnp.int32(num_blocks), p), jnp.int32(layer_index), 12)
+    return out[0], out[2]
+
+  def loss(fn):
+    return lambda blocks, p: (lambda o: jnp.sum(o[0] * ct_blocks) + jnp.sum(o[1] * ct_p))(
+        fn(blocks, p))
+
+  for got, want in zip(explicit(blocks, p), plain(blocks, p)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  grads = jax.jit(jax.grad(loss(explicit), argnums=(0, 1)))(blocks, p)
+  for got, want in zip(grads, jax.grad(loss(plain), argnums=(0, 1))(blocks, p)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  count = attnres.maybe_start_block((blocks, jnp.int32(num_blocks), p), jnp.int32(layer_index), 12)[1]
+  assert int(count) == num_blocks + (layer_index % 12 == 0)

@@ -196,3 +196,12 @@ def test_flash_attention_path_matches_the_dense_path():
   # row; block edges and mid-block document starts are covered by the op's own tests).
   _assert_same_loss_and_grads(_three_layer_loss_and_grads((21, 30, 13), **{"mla.backend": "reference"}),
                               _three_layer_loss_and_grads((21, 30, 13), **{"mla.backend": "xla"}))
+
+
+def test_attnres_kernel_backward_matches_xla_in_the_model():
+  # The AttnRes sites with the pallas_gpu backward (interpret mode: the stream's cotangents added
+  # in place, empty slots skipped) and with the xla backward give the same loss and gradients on
+  # the tiny model, scanned and unscanned layers alike.
+  _assert_same_loss_and_grads(_three_layer_loss_and_grads((21, 30, 13), **{"attn_res.backend": "xla"}),
+                              _three_layer_loss_and_grads((21, 30, 13),
+                                                          **{"attn_res.backend": "pallas_gpu"}))

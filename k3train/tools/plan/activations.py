@@ -7,7 +7,7 @@ residuals are what autodiff keeps without remat; the "dot" residuals are the mat
 (dot_general) outputs, the only ones `dots_saveable` keeps (`ragged_dot`, i.e. the expert
 grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by piece:
 
-  AttnRes mix (×2 per layer)  k3train/model/attnres.py `mix_stream`: the sources are the
+  AttnRes mix (×2 per layer)  pallas_kernels/attnres `mix_pass`: the sources are the
                               stream's block buffer [N_max − 1, n, d] (model.dtype; a new
                               version per layer, half of it counted per site) and the partial
                               sum; the VJP keeps three [N_max, n] fp32 statistics (remat
@@ -217,7 +217,7 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   ns = -(-m.num_layers // m.attn_res.block_size) + 1
   out = {}
 
-  # mix_stream reads the block buffer in place (one new version per layer: half per site) and
+  # mix_pass reads the block buffer in place (one new version per layer: half per site) and
   # keeps three [N_max, n] fp32 statistics; its fp32 source copies exist only in the backward.
   out["attn_res"] = Cost().add("attn_res: block buffer version + fp32 stats [3, N_max, n]",
                                saved=n * (ns - 1) * d * A // 2 + 3 * n * ns * F,
