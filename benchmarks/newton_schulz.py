@@ -2,6 +2,7 @@
 
   python benchmarks/newton_schulz.py --config=configs/k3_h200.py [--iters=10] [--dense=0]
   python benchmarks/newton_schulz.py --config=configs/k3_tiny.py --iters=3      # CPU smoke run
+  python benchmarks/newton_schulz.py --config=configs/k3_h200.py --per_shape --variants=bf16_batched
 
 Takes the config's abstract parameters (`builder.abstract_state`), the Muon leaves with their
 dimension numbers (kv_b_proj cut into its k^C and v blocks, as the optimizer does), and random
@@ -16,6 +17,11 @@ calls, `block_until_ready`):
   dense          8 bf16 [N, N] × [N, N] matmuls in one call (fp32 accumulation, bf16 output),
                  the rate reference (N from --dense, or 0: 2N³ close to the NS FLOPs, N in
                  [256, 8192])
+
+With --per_shape, also times `orthogonalize` (bf16) on each block shape's batch alone and prints
+one JSON line per shape (batch, m × n, ms, TFLOP/s, ratio to the dense rate): where the chain
+loses its rate. --variants picks which of the three variants run (the error columns need both
+sides).
 
 NS FLOPs are counted analytically per block (m ≤ n, per step 2m²n for A = X Xᵀ, 2m³ for A²,
 2m²n for (bA + cA²)X). Prints one JSON line: each variant's time, TFLOP/s and ratio to the
@@ -43,6 +49,9 @@ FLAGS = (
     _flags.Flag("iters", "int", 10, "timed calls per variant"),
     _flags.Flag("dense", "int", 0, "N of the dense bf16 reference matmul (0: from the NS FLOPs)"),
     _flags.Flag("seed", "int", 0, "seed of the random gradients"),
+    _flags.Flag("per_shape", "bool", False, "also time each block shape's batched chain alone"),
+    _flags.Flag("variants", "list", ["bf16_batched", "fp32_batched", "optax"],
+                "variants to time: bf16_batched, fp32_batched, optax"),
 )
 
 
@@ -114,6 +123,22 @@ def rel_frobenius(a, b) -> float:
 DENSE_BATCH = 8
 
 
+def per_shape(layouts, iters: int, dense_rate: float, seed: int) -> None:
+  """One JSON line per block shape: its blocks' batched bf16 chain timed alone."""
+  from k3train.optim import newton_schulz as ns
+  batches = {}
+  for layout in layouts:
+    batches[layout.block_shape] = batches.get(layout.block_shape, 0) + layout.batch
+  for (m, n), batch in sorted(batches.items(), key=lambda kv: -kv[1] * ns.ns_flops(*kv[0])):
+    x = jax.random.normal(jax.random.key(seed), (batch, m, n), jnp.float32)
+    seconds, _, _ = timed(lambda x: ns.orthogonalize(x, compute_dtype="bfloat16"), (x,), iters)
+    rate = batch * ns.ns_flops(m, n) / seconds
+    print(json.dumps({"block": f"{m}x{n}", "batch": batch, "ms": round(1e3 * seconds, 3),
+                      "tflops": round(rate / 1e12, 1),
+                      "vs_dense": round(rate / dense_rate, 3)}), flush=True)
+    del x
+
+
 def dense_size(ns_flops: int) -> int:
   n = round((ns_flops / 2) ** (1 / 3) / 256) * 256
   return int(min(max(n, 256), 8192))
@@ -147,7 +172,13 @@ def main(argv=None) -> int:
   row.update(dense_n=n, dense_ms=1e3 * dense_s, dense_tflops=dense_rate / 1e12)
   del a, b
 
+  if f.per_shape:
+    per_shape(layouts, f.iters, dense_rate, f.seed)
   fns = variants(dims)
+  unknown = sorted(set(f.variants) - set(fns))
+  if unknown:
+    _flags.error(PROG, f"--variants: unknown {unknown}; known: {sorted(fns)}")
+    return _flags.USAGE_ERROR
 
   def run(name):
     seconds, compile_s, out = timed(fns[name], (leaves,), f.iters)
@@ -156,11 +187,14 @@ def main(argv=None) -> int:
                 f"{name}_vs_dense": rate / dense_rate, f"{name}_compile_s": compile_s})
     return out
 
-  bf16 = run("bf16_batched")
-  fp32 = run("fp32_batched")
-  row["bf16_vs_fp32_rel_err"] = rel_frobenius(bf16, fp32)
-  del bf16
-  row["fp32_batched_vs_optax_rel_err"] = rel_frobenius(fp32, run("optax"))
+  outs = {}
+  for name in ("bf16_batched", "fp32_batched", "optax"):
+    if name in f.variants:
+      outs[name] = run(name)
+  if "bf16_batched" in outs and "fp32_batched" in outs:
+    row["bf16_vs_fp32_rel_err"] = rel_frobenius(outs["bf16_batched"], outs["fp32_batched"])
+  if "fp32_batched" in outs and "optax" in outs:
+    row["fp32_batched_vs_optax_rel_err"] = rel_frobenius(outs["fp32_batched"], outs["optax"])
   row = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}
   row.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
              python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
