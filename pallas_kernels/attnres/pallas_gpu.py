@@ -18,14 +18,15 @@ block count, not with the buffer size. Grid: one program per `rows` rows of B·T
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import launch
 from pallas_kernels.attnres import xla
 
 F32 = jnp.float32
@@ -56,21 +57,9 @@ class Settings:
 SETTINGS = Settings()
 
 
-@contextlib.contextmanager
 def configured(**overrides):
-  """Temporarily replace fields of SETTINGS (keywords of `Settings`; None leaves one unchanged).
-  Bad values raise before anything changes. JAX's caches are cleared on entry and exit, so
-  compile and run what should use the settings inside the block."""
-  global SETTINGS
-  saved = SETTINGS
-  new = dataclasses.replace(saved, **{k: v for k, v in overrides.items() if v is not None})
-  jax.clear_caches()
-  try:
-    SETTINGS = new
-    yield new
-  finally:
-    SETTINGS = saved
-    jax.clear_caches()
+  """Context manager: SETTINGS with these fields replaced for a block (`launch.swapped`)."""
+  return launch.swapped(sys.modules[__name__], overrides)
 
 
 def chunk_for(d: int, settings: Settings | None = None) -> int | None:

@@ -25,14 +25,15 @@ defaults: benchmarks/kda_kernel.md.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import launch
 from pallas_kernels.kda import kernels, pallas_gpu_intra
 
 F32 = jnp.float32
@@ -109,25 +110,10 @@ def block_v(dv: int, bv: int | None = None) -> int:
   return min(dv, _check_bv(SETTINGS.bv if bv is None else bv))
 
 
-@contextlib.contextmanager
 def configured(**overrides):
-  """Temporarily replace fields of SETTINGS (keywords of `Settings`; None leaves one unchanged).
-  Bad values raise before anything changes.
-
-  Jitted callers (op._kda_pallas_core) cache their traces without these settings in the key, so
-  JAX's caches are cleared on entry and on exit: compile and run what should use the settings
-  inside the block.
-  """
-  global SETTINGS
-  saved = SETTINGS
-  new = dataclasses.replace(saved, **{k: v for k, v in overrides.items() if v is not None})
-  jax.clear_caches()
-  try:
-    SETTINGS = new
-    yield
-  finally:
-    SETTINGS = saved
-    jax.clear_caches()
+  """Context manager: SETTINGS with these fields replaced for a block (`launch.swapped`; the
+  jitted callers, e.g. op._kda_pallas_core, retrace inside it)."""
+  return launch.swapped(sys.modules[__name__], overrides)
 
 
 def many_programs(b: int, h: int, dv: int, sm_count: int | None) -> bool:

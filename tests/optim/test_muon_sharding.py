@@ -11,21 +11,14 @@ Runs `muon_sharding_hlo.py` in a subprocess with 8 host-platform devices.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
-from tests.conftest import CACHE_DIR
+from tests.multidevice import run_json_lines
 
 
 def test_newton_schulz_collectives_are_bounded():
   script = os.path.join(os.path.dirname(__file__), "muon_sharding_hlo.py")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             K3TRAIN_TEST_COMPILATION_CACHE=CACHE_DIR, PYTHONPATH=os.getcwd())
-  proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
-                        timeout=1200)
-  rows = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+  proc, rows = run_json_lines(script, 8, timeout=1200)
   assert proc.returncode == 0 and len(rows) == 3, proc.stderr[-3000:]
   gathered, plain, agree = rows
   assert gathered["gather"] and not plain["gather"]

@@ -9,14 +9,11 @@ summed by all-reduces.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import CACHE_DIR
+from tests.multidevice import run_json_lines
 
 CASES = ("data=2,sequence=2 pallas_gpu", "fsdp=4 pallas_gpu", "data=2,sequence=2 xla")
 
@@ -24,11 +21,7 @@ CASES = ("data=2,sequence=2 pallas_gpu", "fsdp=4 pallas_gpu", "data=2,sequence=2
 @pytest.fixture(scope="module")
 def results():
   script = os.path.join(os.path.dirname(__file__), "attnres_mesh.py")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             K3TRAIN_TEST_COMPILATION_CACHE=CACHE_DIR, PYTHONPATH=os.getcwd())
-  proc = subprocess.run([sys.executable, script, *CASES], capture_output=True, text=True,
-                        env=env, timeout=900)
-  lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+  proc, lines = run_json_lines(script, 4, CASES, timeout=900)
   assert proc.returncode == 0 and len(lines) == len(CASES) + 1, proc.stderr[-3000:]
   return {r["case"]: r for r in lines}
 

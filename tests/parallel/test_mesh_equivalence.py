@@ -11,14 +11,11 @@ halo) and all-gather (KDA chunk-transition states) where the sequence is split.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import CACHE_DIR
+from tests.multidevice import run_json_lines
 
 MESHES = {
     "fsdp=8": {},
@@ -35,11 +32,7 @@ MESHES = {
 @pytest.fixture(scope="module")
 def results():
   script = os.path.join(os.path.dirname(__file__), "mesh_equivalence.py")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             K3TRAIN_TEST_COMPILATION_CACHE=CACHE_DIR, PYTHONPATH=os.getcwd())
-  proc = subprocess.run([sys.executable, script, *MESHES], capture_output=True, text=True,
-                        env=env, timeout=1800)
-  lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+  proc, lines = run_json_lines(script, 8, MESHES, timeout=1800)
   assert proc.returncode == 0 and len(lines) == len(MESHES), proc.stderr[-3000:]
   return {r["mesh"]: r for r in lines}
 

@@ -1,0 +1,29 @@
+"""Launch settings of the Pallas backends: each backend module holds a frozen dataclass SETTINGS
+(validated on construction) that its launchers read at trace time; `swapped` replaces it for a
+block of code (benchmarks, tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+
+
+@contextlib.contextmanager
+def swapped(module, overrides: dict):
+  """Inside the block, `module.SETTINGS` with `overrides` applied (a None value leaves its field
+  unchanged); bad values raise before anything changes.
+
+  Jitted callers cache their traces without the settings in the key, so JAX's caches are cleared
+  on entry and on exit: compile and run what should use the settings inside the block.
+  """
+  saved = module.SETTINGS
+  new = dataclasses.replace(saved, **{k: v for k, v in overrides.items() if v is not None})
+  jax.clear_caches()
+  try:
+    module.SETTINGS = new
+    yield new
+  finally:
+    module.SETTINGS = saved
+    jax.clear_caches()
