@@ -38,6 +38,8 @@ def tiny_config(mesh_arg: str = ""):
       cfg.parallel.rules = value
     elif key == "microbatches":
       cfg.train.microbatches = int(value)
+    elif key == "attnres":
+      cfg.model.attn_res.backend = value
     else:
       cfg.parallel[key] = int(value)
   for axis in ("data", "expert", "sequence", "tensor"):
