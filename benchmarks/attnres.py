@@ -2,6 +2,7 @@
 
   python benchmarks/attnres.py [--shapes=2x4096x2048] [--blocks=4] [--iters=50]
                                [--kernel_settings=rows:chunk:num_warps,...]
+  python benchmarks/attnres.py --lowering_sites=30 [--shapes=4x4096x2048]   # any host
 
 For each B×T×d and every valid block count 0 … N (N = --blocks slots in the stream's buffer),
 times one mixing site and the RMSNorm after it, in bfloat16 with fp32 statistics:
@@ -13,7 +14,12 @@ times one mixing site and the RMSNorm after it, in bfloat16 with fp32 statistics
 forward+backward is the gradient of Σ out · cotangent + Σ blocks' · ct_blocks + Σ p' · ct_p with
 respect to blocks, p, query and gain, where (blocks', p') is the stream the site passes on: the
 cotangents that later sites send back, which the mix's backward adds its gradients into.
-Checks that both give the same output and gradients (each output's largest difference over its
+With --lowering_sites=S it runs nothing: it lowers the gradient of S chained sites for CUDA
+(possible on any host) twice, with the backward kernel's launcher jitted (what the op does: one
+kernel body, called from every site) and with its body inlined at every site, and prints the
+lowering seconds and the number of Triton kernel bodies in each module.
+
+Otherwise it checks that all paths give the same output and gradients (each output's largest difference over its
 largest magnitude ≤ 2e-2: bf16 rounding, and on GPUs the reference's fp32 einsums run at the
 default matmul precision), then prints one JSON line
 per (shape, path) with the median over block counts of the per-call medians, and a table.
@@ -42,6 +48,7 @@ FLAGS = (
     _flags.Flag("shapes", "list", ["2x4096x2048"], "B×T×d to time"),
     _flags.Flag("blocks", "int", 4, "block slots of the stream (N_max − 1)"),
     _flags.Flag("iters", "int", 50, "timed calls per setting"),
+    _flags.Flag("lowering_sites", "int", 0, "only lower S chained sites for CUDA (see above)"),
     _flags.Flag("kernel_settings", "list", [],
                 "extra pallas_gpu launch settings to time, each rows:chunk:num_warps"),
 )
@@ -112,11 +119,43 @@ def measure(b: int, t: int, d: int, num_slots: int, iters: int, settings=()) -> 
   return _record.mark_agreement(rows, errors, AGREE, key="agree_bf16")
 
 
+def lowering(b: int, t: int, d: int, num_slots: int, sites: int) -> list[dict]:
+  """Lowering seconds of the gradient of `sites` chained sites for CUDA, launcher jitted or not."""
+  import time
+  from pallas_kernels.attnres import vjp as attnres_vjp
+  blocks = jax.ShapeDtypeStruct((num_slots, b, t, d), jnp.bfloat16)
+  p = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16)
+  vec = jax.ShapeDtypeStruct((d,), jnp.float32)
+  launchers = {
+      "jitted": lambda *a: attnres_pallas_gpu.mix_backward(*a, interpret=False),
+      "inlined": lambda *a: attnres_pallas_gpu._launch.__wrapped__(
+          *a, interpret=False, settings=attnres_pallas_gpu.SETTINGS)}
+  rows = []
+  for name, backward in launchers.items():
+    def loss(blocks, p, q, g, backward=backward):
+      for _ in range(sites):
+        out, blocks, p = attnres_vjp.mix_pass(blocks, jnp.int32(num_slots // 2), p, q, g, EPS,
+                                              backward)
+        p = p + out
+      return jnp.sum(p.astype(jnp.float32))
+    start = time.perf_counter()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(blocks, p, vec, vec).lower(
+        lowering_platforms=("cuda",)).as_text()
+    rows.append({"shape": f"{b}x{t}x{d}", "slots": num_slots, "sites": sites, "launcher": name,
+                 "lower_s": round(time.perf_counter() - start, 2),
+                 "triton_bodies": text.count("__gpu$xla.gpu.triton"),
+                 "module_mchars": round(len(text) / 1e6, 2)})
+  return rows
+
+
 def main(argv=None) -> int:
   args = _flags.parse(argv, PROG, FLAGS)
   if args.exit_code is not None:
     return args.exit_code
   f = args.flags
+  if f.lowering_sites:
+    _record.over_shapes(f.shapes, lambda b, t, d: lowering(b, t, d, f.blocks, f.lowering_sites))
+    return 0
   rows = _record.over_shapes(f.shapes, lambda b, t, d: measure(b, t, d, f.blocks, f.iters,
                                                                     f.kernel_settings))
   print(f"{'shape':>14} {'path':>22} {'fwd ms':>8} {'fwd+bwd ms':>10} agree")

@@ -142,10 +142,20 @@ def mix_backward(blocks_nbtd, p_btd, w_d, stats, g_btd, ct_blocks_nbtd, ct_p_btd
   block cotangent updated in place. `settings`: SETTINGS when None."""
   settings = settings or SETTINGS
   n, b, t, d = blocks_nbtd.shape
-  num_rows = b * t
-  if not supports(num_rows, d, settings):
-    raise ValueError(f"attnres pallas_gpu: B·T = {num_rows} rows of width d = {d} do not tile "
+  if not supports(b * t, d, settings):
+    raise ValueError(f"attnres pallas_gpu: B·T = {b * t} rows of width d = {d} do not tile "
                      f"into {settings.rows}-row programs and power-of-two d-chunks")
+  return _launch(blocks_nbtd, p_btd, w_d, stats, g_btd, ct_blocks_nbtd, ct_p_btd,
+                 interpret=interpret, settings=settings)
+
+
+# Jitted with its settings static: a step calls the kernel at the same shapes from every site,
+# and jax lowers it once per shape and calls it from each.
+@functools.partial(jax.jit, static_argnames=("interpret", "settings"))
+def _launch(blocks_nbtd, p_btd, w_d, stats, g_btd, ct_blocks_nbtd, ct_p_btd, *, interpret: bool,
+            settings: Settings):
+  n, b, t, d = blocks_nbtd.shape
+  num_rows = b * t
   chunk = chunk_for(d, settings)
   rows = settings.rows
   probs, r, s = (x.reshape(n + 1, num_rows).astype(F32) for x in stats)
