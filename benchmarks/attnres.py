@@ -1,4 +1,4 @@
-"""AttnRes mixing sites: forward and forward+backward device time of the two implementations.
+"""AttnRes mixing sites: forward and forward+backward device time of the implementations.
 
   python benchmarks/attnres.py [--shapes=2x4096x2048] [--blocks=4] [--iters=50]
                                [--kernel_settings=rows:chunk:num_warps,...]
@@ -19,10 +19,10 @@ With --lowering_sites=S it runs nothing: it lowers the gradient of S chained sit
 kernel body, called from every site) and with its body inlined at every site, and prints the
 lowering seconds and the number of Triton kernel bodies in each module.
 
-Otherwise it checks that all paths give the same output and gradients (each output's largest difference over its
-largest magnitude ≤ 2e-2: bf16 rounding, and on GPUs the reference's fp32 einsums run at the
-default matmul precision), then prints one JSON line
-per (shape, path) with the median over block counts of the per-call medians, and a table.
+Otherwise it checks that all paths give the same output and gradients (each output's largest
+difference over its largest magnitude ≤ 2e-2: bf16 rounding, and on GPUs the reference's fp32
+einsums run at the default matmul precision), then prints one JSON line per (shape, path) with
+the median over block counts of the per-call medians, and a table.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ sources blocks[:num_blocks] + [p].
 
 The mix itself lives in pallas_kernels/attnres (the oracle `attn_res_mix` over an explicit
 sources buffer; `mix_pass` over the stream, with an explicit VJP that keeps three [N + 1, B, T]
-statistics and, on GPUs, a backward kernel); k3train/parallel/attnres.py runs it under a mesh. A site returns the stream it read, passed through
-`mix_pass`, and the layer carries that one on, so that the backward adds each site's source
-gradients into the stream's cotangent in place.
+statistics and, on GPUs, a backward kernel); k3train/parallel/attnres.py runs it under a mesh.
+A site returns the stream it read, passed through `mix_pass`, and the layer carries that one
+on, so that the backward adds each site's source gradients into the stream's cotangent in
+place.
 """
 
 from __future__ import annotations

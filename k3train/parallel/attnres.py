@@ -22,11 +22,13 @@ from pallas_kernels.attnres import op as attnres_op
 from pallas_kernels.attnres import vjp as attnres_vjp
 
 
+@jax.named_scope("attnres")
 def mix_pass(blocks_nbtd, num_blocks, p_btd, query_d, gain_d, *, eps: float, backend: str):
   """`pallas_kernels.attnres.mix_pass` under the active layout: (out, blocks, p)."""
   layout = rules_lib.active()
   if layout is None:
     return attnres_ops.mix_pass(blocks_nbtd, num_blocks, p_btd, query_d, gain_d, eps, backend)
+  attnres_op.validate(blocks_nbtd, p_btd, query_d, gain_d)
   mesh = layout[0]
   b_axes, t_axes, e_axes = rules_lib.mesh_axes_of((ax.BATCH, ax.SEQ, ax.EMBED))
   b, t, d = p_btd.shape
@@ -39,7 +41,6 @@ def mix_pass(blocks_nbtd, num_blocks, p_btd, query_d, gain_d, *, eps: float, bac
     resolved = "xla"
   if resolved == "xla":
     return attnres_ops.mix_pass(blocks_nbtd, num_blocks, p_btd, query_d, gain_d, eps, "xla")
-  attnres_op.validate(blocks_nbtd, p_btd, query_d, gain_d)
   x_spec = rules_lib.spec_from_axes(b_axes, t_axes, ())
   blocks_spec = rules_lib.spec_from_axes((), b_axes, t_axes, ())
   stats_spec = rules_lib.spec_from_axes((), b_axes, t_axes)

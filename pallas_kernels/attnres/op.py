@@ -10,10 +10,10 @@ pallas_gpu.py; the forward is xla.py's, which XLA fuses into the consumer's RMSN
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-
-import functools
 
 from pallas_kernels.attnres import pallas_gpu, vjp, xla
 
@@ -42,6 +42,7 @@ def backward_fn(backend: str):
 
 
 def validate(blocks_nbtd, p_btd, query_d, gain_d):
+  """Shapes of a site's operands, with a message that names the mismatch."""
   if blocks_nbtd.ndim != 4 or p_btd.ndim != 3 or blocks_nbtd.shape[1:] != p_btd.shape:
     raise ValueError(f"attnres: blocks {tuple(blocks_nbtd.shape)} and partial sum "
                      f"{tuple(p_btd.shape)} must be [N, B, T, d] and [B, T, d]")
