@@ -136,11 +136,18 @@ def situ(g: jax.Array, beta: float) -> jax.Array:
   return beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g)
 
 
-def situ_glu(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None) -> jax.Array:
-  """SiTU-GLU(g, u) = SiTU_β1(g) · β2·tanh(u/β2); bounded by β1·β2 (docs/maths.md §5.4). Returns g's dtype."""
+def situ_glu(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None,
+             row_scale: jax.Array | None = None) -> jax.Array:
+  """SiTU-GLU(g, u) = SiTU_β1(g) · β2·tanh(u/β2); bounded by β1·β2 (docs/maths.md §5.4). Returns g's dtype.
+
+  row_scale [rows] (optional): each row is multiplied by its value in fp32 before the rounding
+  (routed experts fold their routing weight in here)."""
   u32 = u.astype(jnp.float32)
   up = u32 if linear_beta is None else linear_beta * jnp.tanh(u32 / linear_beta)
-  return (situ(g, beta) * up).astype(g.dtype)
+  h = situ(g, beta) * up
+  if row_scale is not None:
+    h = h * row_scale.astype(jnp.float32)[..., None]
+  return h.astype(g.dtype)
 
 
 class GluMLP(nnx.Module):

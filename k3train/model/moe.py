@@ -382,19 +382,23 @@ class RoutedExperts(nnx.Module):
     return self.gate.get_value(), self.up.get_value(), self.down.get_value()
 
   @jax.named_scope("moe_gmm")
-  def apply(self, x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl) -> jax.Array:
+  def apply(self, x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl,
+            row_weights_m=None) -> jax.Array:
     """The expert MLP on rows grouped by expert, with explicit (possibly device-local) weights.
 
+    row_weights_m [M] (optional, fp32): each row's routing weight, applied to the SiTU-GLU output
+    in fp32 before the down GEMM, so the result rows are already weighted (`combine_scaled`).
     Inside an `expert_quantization` block the GEMMs are MX-quantised where the block is active."""
     quant = _EXPERT_QUANT.get()
-    operands = (x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl)
+    operands = (x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl, row_weights_m)
     if quant is None:
       return self._mlp(*operands)
     settings, active, weights_quantized = quant
     quantised = functools.partial(self._mlp, quant=(settings, weights_quantized))
     return jax.lax.cond(active, quantised, self._mlp, *operands)
 
-  def _mlp(self, x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl, *, quant=None):
+  def _mlp(self, x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl, row_weights_m=None, *,
+           quant=None):
     x_ml = x_sorted_ml.astype(self.dtype)
     if quant is None:
       mm = lambda a, w: moe_ops.gmm(a, w.astype(self.dtype), group_sizes_e, backend=self.backend)
@@ -402,7 +406,7 @@ class RoutedExperts(nnx.Module):
       mm = lambda a, w: self._mx_gmm(a, w, group_sizes_e, *quant)
     gate_mf = remat.tag(mm(x_ml, gate_elf), remat.EXPERT_MLP)
     up_mf = remat.tag(mm(x_ml, up_elf), remat.EXPERT_MLP)
-    h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta)
+    h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta, row_weights_m)
     return mm(h_mf, down_efl)
 
   def _mx_gmm(self, a_mk, w_ekn, group_sizes_e, q: ExpertQuant, weights_quantized: bool):
@@ -564,6 +568,10 @@ class StableLatentMoE(nnx.Module):
           x_nl.reshape(b, t, -1), weights_nk.reshape(b, t, -1), idx_nk.reshape(b, t, -1),
           num_experts=self.num_experts, expert_fn=self.experts.apply,
           expert_weights=self.experts.weights())
+    # Kept under selective remat (a [N, ℓ] row per token): the latent norm's backward reads it,
+    # and with the routing weights applied inside the experts nothing else needs the expert
+    # outputs, so the down GEMM is not run again.
+    r_btl = remat.tag(r_btl, remat.EXPERT_MLP)
     return self._finish(r_btl.reshape(b * t, -1), x_btd)
 
 

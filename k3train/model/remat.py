@@ -9,8 +9,10 @@
              tagged with the names below, which are cheap to keep and costly to recompute:
                moe_routing     the top-k expert indices [N, k] int32: the router's top-k and
                                every Quantile Balancing round behind it are not recomputed;
-               moe_expert_mlp  the gate and up grouped-matmul outputs [rows, F]: the expert
-                               forward GEMMs are not recomputed;
+               moe_expert_mlp  the gate and up grouped-matmul outputs [rows, F] and the
+                               combined latent [N, ℓ]: no expert GEMM is recomputed (the
+                               routing weights ride inside the experts, so the combine's
+                               backward needs no expert outputs);
                kda_conv        the short-convolution outputs of q, k, v [B, T, H, K] before the
                                SiLU: the conv (shifted, document-masked sums) is not recomputed;
                attention_residuals

@@ -49,7 +49,7 @@ def _bmm(lhs, rhs, dims, out_dtype):
 
 def _quintic_step(x_bmn, coeffs, compute_dtype):
   """X ← aX + (bA + cA²)X with A = X Xᵀ; operands and results in compute_dtype, the linear
-  combinations in float32."""
+  combinations in float32. The float32 path (the same arithmetic as optax)."""
   a, b, c = coeffs
   gram_bmm = _bmm(x_bmn, x_bmn, _X_XT, compute_dtype)
   gram2_bmm = _bmm(gram_bmm, gram_bmm, _MATMUL, compute_dtype)
@@ -58,13 +58,43 @@ def _quintic_step(x_bmn, coeffs, compute_dtype):
   return (a * x_bmn.astype(jnp.float32) + update_bmn.astype(jnp.float32)).astype(compute_dtype)
 
 
+def _scaled_chain(y_bmn, coeffs, steps: int, epilogue_dtype=jnp.float32):
+  """The quintic steps as three GEMMs of the form alpha·(L·R) + C, each rounded once to
+  Y's dtype: the scalar alpha and the addend C fit a GEMM's epilogue, in its float32
+  accumulator, so no elementwise pass runs between the GEMMs.
+
+  X is carried as s·Y (s a Python float). With Â = b·A = (b s²)·Y Yᵀ:
+    bA + cA² = Â + (c / b²)·Â²
+    X' = aX + (bA + cA²)X = (a s)·(Y + (1/a)·(bA + cA²)Y)
+  so a step is Â = (b s²)·(Y Yᵀ); P = (c / b²)·(Â Â) + Â; Y ← (1/a)·(P Y) + Y; s ← a s.
+  Returns (Y, s); X = s·Y.
+  """
+  a, b, c = coeffs
+  dtype = y_bmn.dtype
+
+  def gemm(lhs, rhs, dims, alpha, addend=None):
+    out = _bmm(lhs, rhs, dims, epilogue_dtype) * alpha
+    if addend is not None:
+      out = out + addend.astype(epilogue_dtype)
+    return out.astype(dtype)
+
+  scale = 1.0
+  for _ in range(steps):
+    gram_bmm = gemm(y_bmn, y_bmn, _X_XT, b * scale * scale)
+    poly_bmm = gemm(gram_bmm, gram_bmm, _MATMUL, c / (b * b), gram_bmm)
+    y_bmn = gemm(poly_bmm, y_bmn, _MATMUL, 1.0 / a, y_bmn)
+    scale *= a
+  return y_bmn, scale
+
+
 def orthogonalize(x_bmn: jax.Array, coeffs: Sequence[float] = NS_COEFFS, steps: int = NS_STEPS,
                   eps: float = NS_EPS, compute_dtype="bfloat16") -> jax.Array:
   """Quintic Newton–Schulz on each [m, n] block of `x_bmn`; float32 result of the same shape.
 
   Each block is divided by (its Frobenius norm + eps) in float32 first. Blocks with m > n are
   iterated on their transpose, so the Gram matrix X Xᵀ is the smaller one. Every matmul writes
-  `compute_dtype` (accumulating in float32); X is kept in `compute_dtype` between steps.
+  `compute_dtype` (accumulating in float32). bfloat16 runs the scaled chain (`_scaled_chain`:
+  the linear combinations ride in the GEMMs' epilogues); float32 runs the plain steps.
   """
   compute_dtype = compute_dtype_of(compute_dtype)
   if x_bmn.ndim != 3:
@@ -75,9 +105,17 @@ def orthogonalize(x_bmn: jax.Array, coeffs: Sequence[float] = NS_COEFFS, steps: 
   norm_b11 = jnp.sqrt(jnp.sum(jnp.square(x_bmn), axis=(1, 2), keepdims=True))
   x_bmn = x_bmn / (norm_b11 + eps)
   x_bmn = x_bmn.astype(compute_dtype)
-  for _ in range(steps):
-    x_bmn = _quintic_step(x_bmn, coeffs, compute_dtype)
-  x_bmn = x_bmn.astype(jnp.float32)
+  if compute_dtype == jnp.float32:
+    for _ in range(steps):
+      x_bmn = _quintic_step(x_bmn, coeffs, compute_dtype)
+    x_bmn = x_bmn.astype(jnp.float32)
+  else:
+    coeffs = tuple(float(k) for k in coeffs)
+    if coeffs[0] == 0 or coeffs[1] == 0:
+      raise ValueError(f"the bf16 Newton–Schulz chain divides by the coefficients a and b; "
+                       f"both must be nonzero, got {coeffs}")
+    y_bmn, scale = _scaled_chain(x_bmn, coeffs, steps)
+    x_bmn = y_bmn.astype(jnp.float32) * scale
   return jnp.swapaxes(x_bmn, 1, 2) if tall else x_bmn
 
 

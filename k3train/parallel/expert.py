@@ -2,21 +2,25 @@
 
 Without an active layout (or with an expert axis of size 1) the routed experts run locally: sort
 the (token, expert) pairs by expert, one grouped matmul per expert matrix, un-sort and combine.
+Each row carries its pair's routing weight into the expert, which scales the SiTU-GLU output
+before the down GEMM; the combine then only sums (`moe_ops.combine_scaled`), and its backward
+needs no copy of the expert outputs (docs/maths.md §5.1).
 
 Under a layout, everything runs in one `shard_map` over the whole mesh. Each device holds E/P of
 the experts (P = size of the expert axes) and its own tokens. It
 
   1. sorts its pairs by global expert id, so the pairs bound for device d are one contiguous run;
   2. exchanges per-(destination, local expert) counts with an `all_to_all` of a [P, E/P] table;
-  3. sends the *latent* rows (width ℓ, not d) to their owners: `ragged_all_to_all` with exact
+  3. sends the *latent* rows (width ℓ, not d) and their routing weights to their owners:
+     `ragged_all_to_all` with exact
      counts ("ragged", GPU/TPU), or a dense `all_to_all` of [P, n·k, ℓ] slots ("all_to_all",
      runs everywhere incl. XLA:CPU). Both land rows in the same layout: source s's rows at
      [s·n·k, s·n·k + count), so everything after is shared. The slot size n·k is the worst case
      (every pair to one device), which is what makes the exchange dropless;
   4. regroups the received rows by local expert, runs the expert MLP as grouped matmuls, and
      sends the results back along the reverse route;
-  5. combines each token's k results with its routing weights; when the expert hidden dim is
-     split over `tensor`, the partial down-projections are summed with one psum.
+  5. sums each token's k (already weighted) results; when the expert hidden dim is split over
+     `tensor`, the partial down-projections are summed with one psum.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from pallas_kernels import moe as moe_ops
 
 EXCHANGES = ("auto", "all_to_all", "ragged")
 
-# expert_fn(x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl) → y_sorted_ml
+# expert_fn(x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl, row_weights_m) → y_sorted_ml,
+# each row scaled by its routing weight (RoutedExperts.apply)
 ExpertFn = Callable[..., jax.Array]
 
 
@@ -47,9 +52,12 @@ def resolve_exchange(exchange: str) -> str:
 
 def local_routed_experts(x_nl, weights_nk, idx_nk, num_experts: int, expert_fn: ExpertFn,
                          expert_weights) -> jax.Array:
-  """Single-device dropless path: dispatch → grouped expert MLP → combine. Returns [n, ℓ]."""
+  """Single-device dropless path: dispatch → grouped expert MLP (rows weighted inside) → sum.
+  Returns [n, ℓ]."""
   x_sorted, group_sizes, perm = moe_ops.dispatch(x_nl, idx_nk, num_experts)
-  return moe_ops.combine(expert_fn(x_sorted, group_sizes, *expert_weights), weights_nk, perm)
+  w_sorted = moe_ops.sorted_pair_weights(weights_nk, perm)
+  y_sorted = expert_fn(x_sorted, group_sizes, *expert_weights, w_sorted)
+  return moe_ops.combine_scaled(y_sorted, perm, idx_nk.shape[1])
 
 
 def _exclusive_cumsum(x):
@@ -78,6 +86,7 @@ def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_
   x_nl = x_btl.reshape(n, latent)
 
   x_sorted, group_sizes_e, perm = moe_ops.dispatch(x_nl, idx_btk.reshape(n, k), num_experts)
+  w_sorted = moe_ops.sorted_pair_weights(weights_btk.reshape(n, k), perm)
   sizes_de = group_sizes_e.reshape(ep, e_local)                   # my pairs per (dest, its expert)
   send_d = jnp.sum(sizes_de, axis=1)
   send_off_d = _exclusive_cumsum(send_d)
@@ -85,17 +94,22 @@ def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_
   recv_s = jnp.sum(recv_se, axis=1)
   dest_i, slot_i = _segment_of(send_d, cap)                       # sorted row i → (dest, slot)
 
-  if exchange == "ragged":
-    # Where my rows start in each receiver's buffer: my own block, me·cap.
-    my_block = jnp.full((ep,), me * cap, jnp.int32)
-    recv_buf = jax.lax.ragged_all_to_all(
-        x_sorted, jnp.zeros((ep * cap, latent), x_sorted.dtype), send_off_d.astype(jnp.int32),
-        send_d.astype(jnp.int32), my_block, recv_s.astype(jnp.int32), axis_name=e_axes)
-  else:
+  def to_owners(rows_p):
+    """My sorted rows [n·k, ...] → the receive buffer [P·cap, ...] (source s at s·cap)."""
+    tail = rows_p.shape[1:]
+    if exchange == "ragged":
+      # Where my rows start in each receiver's buffer: my own block, me·cap.
+      my_block = jnp.full((ep,), me * cap, jnp.int32)
+      return jax.lax.ragged_all_to_all(
+          rows_p, jnp.zeros((ep * cap,) + tail, rows_p.dtype), send_off_d.astype(jnp.int32),
+          send_d.astype(jnp.int32), my_block, recv_s.astype(jnp.int32), axis_name=e_axes)
     slots = jnp.where(dest_i < ep, dest_i * cap + slot_i, ep * cap)  # past-the-end rows dropped
-    send_buf = jnp.zeros((ep * cap, latent), x_sorted.dtype).at[slots].set(x_sorted, mode="drop")
-    recv_buf = jax.lax.all_to_all(send_buf.reshape(ep, cap, latent), e_axes, 0, 0,
-                                  tiled=True).reshape(ep * cap, latent)
+    send_buf = jnp.zeros((ep * cap,) + tail, rows_p.dtype).at[slots].set(rows_p, mode="drop")
+    return jax.lax.all_to_all(send_buf.reshape((ep, cap) + tail), e_axes, 0, 0,
+                              tiled=True).reshape((ep * cap,) + tail)
+
+  recv_buf = to_owners(x_sorted)
+  recv_w = to_owners(w_sorted[:, None])[:, 0]                   # 0 in unused slots
 
   # Regroup received rows by local expert (invalid slots last), run the experts, un-group.
   src_j = jnp.arange(ep * cap, dtype=jnp.int32) // cap
@@ -104,7 +118,8 @@ def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_
   local_e_j = jnp.sum(pos_j[:, None] >= ends_se[src_j], axis=1).astype(jnp.int32)
   valid_j = pos_j < recv_s[src_j]
   order = jnp.argsort(jnp.where(valid_j, local_e_j, e_local), stable=True).astype(jnp.int32)
-  y_grouped = expert_fn(jnp.take(recv_buf, order, axis=0), jnp.sum(recv_se, axis=0), *expert_weights)
+  y_grouped = expert_fn(jnp.take(recv_buf, order, axis=0), jnp.sum(recv_se, axis=0),
+                        *expert_weights, jnp.take(recv_w, order, axis=0))
   y_recv = jnp.zeros_like(y_grouped).at[order].set(y_grouped, unique_indices=True)
   y_recv = jnp.where(valid_j[:, None], y_recv, 0)
 
@@ -121,7 +136,7 @@ def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_
     rows = jnp.where(dest_i < ep, dest_i * cap + slot_i, 0)
     y_sorted = jnp.where((dest_i < ep)[:, None], jnp.take(back, rows, axis=0), 0)
 
-  r_nl = moe_ops.combine(y_sorted, weights_btk.reshape(n, k), perm)
+  r_nl = moe_ops.combine_scaled(y_sorted, perm, k)
   if f_axes:
     r_nl = jax.lax.psum(r_nl, f_axes)
   return r_nl.reshape(b, t, latent)

@@ -1,10 +1,12 @@
-"""MoE ops: grouped matmul (`gmm`) and dropless sort-based token `dispatch` / `combine`.
+"""MoE ops: grouped matmul (`gmm`) and dropless sort-based token `dispatch` / `combine` (or
+`sorted_pair_weights` + `combine_scaled` for experts that apply the routing weight themselves).
 
 gmm backends (BACKENDS): "reference", "ragged_dot", "pallas_gpu", "pallas_tpu" and "auto"; see op.py.
 `gmm_mx`: the grouped matmul on MX operands (MXFP8 activations, MXFP4 weights), MX_BACKENDS.
 """
 
-from pallas_kernels.moe.op import (BACKENDS, MX_BACKENDS, combine, dispatch, gmm, gmm_mx,
-                                   resolve_backend)
+from pallas_kernels.moe.op import (BACKENDS, MX_BACKENDS, combine, combine_scaled, dispatch, gmm,
+                                   gmm_mx, resolve_backend, sorted_pair_weights)
 
-__all__ = ["BACKENDS", "MX_BACKENDS", "combine", "dispatch", "gmm", "gmm_mx", "resolve_backend"]
+__all__ = ["BACKENDS", "MX_BACKENDS", "combine", "combine_scaled", "dispatch", "gmm", "gmm_mx",
+           "resolve_backend", "sorted_pair_weights"]

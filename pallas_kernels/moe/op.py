@@ -196,3 +196,29 @@ def combine(y_sorted: jax.Array, weights: jax.Array, perm: jax.Array) -> jax.Arr
     raise ValueError(f"combine: y_sorted {y_sorted.shape}, weights {weights.shape} and perm "
                      f"{perm.shape} disagree on T·k = {num_pairs}")
   return permute.unsort_sum(y_sorted, weights, perm).astype(y_sorted.dtype)
+
+
+def sorted_pair_weights(weights: jax.Array, perm: jax.Array) -> jax.Array:
+  """weights [T, k] → [T·k] float32 in `dispatch`'s row order (row i: pair perm[i]'s weight).
+
+  For experts that scale their own rows (`combine_scaled`). The gradient is a gather through the
+  inverse permutation (permute.py)."""
+  num_tokens, top_k = weights.shape
+  if perm.shape != (num_tokens * top_k,):
+    raise ValueError(f"sorted_pair_weights: weights {weights.shape} and perm {perm.shape} "
+                     f"disagree on T·k = {num_tokens * top_k}")
+  return permute.sort_pairs(weights.astype(jnp.float32), perm)
+
+
+def combine_scaled(y_sorted: jax.Array, perm: jax.Array, top_k: int) -> jax.Array:
+  """`combine` for expert outputs that already carry their pair's weight (rows scaled inside the
+  expert, before its last GEMM): y[t] = Σ_j y_sorted[row of pair (t, j)], summed in fp32 and cast
+  to y_sorted's dtype.
+
+  The weights' gradient then comes from the expert's own backward (a row dot product of
+  quantities it already holds), so the backward needs no copy of the expert outputs: under
+  selective remat the last expert GEMM is not run again (docs/maths.md §5.1)."""
+  if perm.shape != (y_sorted.shape[0],) or y_sorted.shape[0] % top_k:
+    raise ValueError(f"combine_scaled: y_sorted {y_sorted.shape}, perm {perm.shape} and "
+                     f"top_k={top_k} disagree")
+  return permute.unsort_add(y_sorted, perm, top_k).astype(y_sorted.dtype)

@@ -9,6 +9,10 @@ permutation can be written as gathers instead, because the inverse permutation i
       grad:    dx[t] = Σ_j dx_sorted[inv[t·k + j]]                 (k rows per token, fp32)
   unsort_sum:  y[t] = Σ_j w[t, j] · y_sorted[inv[t·k + j]]          (fp32)
       grads:   dy_sorted[i] = w[pair perm[i]] · dy[perm[i] // k];  dw[t, j] = <y_sorted[inv[t·k+j]], dy[t]>
+  unsort_add:  y[t] = Σ_j y_sorted[inv[t·k + j]]                    (fp32; sort_rows' transpose)
+      grad:    dy_sorted[i] = dy[perm[i] // k]
+  sort_pairs:  w_sorted[i] = w[pair perm[i]]                         (one value per pair)
+      grad:    dw[p] = dw_sorted[inv[p]]
 
 inv[p] is the sorted row holding pair p. Every sum is one gather feeding a reduction over the k
 axis in fp32: no atomics, so results and gradients are deterministic on every backend.
@@ -86,3 +90,41 @@ def _unsort_sum_bwd(residuals, dy_td):
 
 
 unsort_sum.defvjp(_unsort_sum_fwd, _unsort_sum_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def unsort_add(y_sorted_pd: jax.Array, perm_p: jax.Array, top_k: int) -> jax.Array:
+  """y [T, D] fp32 with y[t] = Σ_j y_sorted[row of pair (t, j)]: the unweighted combine, for rows
+  that already carry their pair's weight. Needs no residual but the permutation."""
+  return _sum_pairs(y_sorted_pd, inverse_permutation(perm_p), top_k)
+
+
+def _unsort_add_fwd(y_sorted_pd, perm_p, top_k):
+  return unsort_add(y_sorted_pd, perm_p, top_k), (perm_p, jnp.zeros((0,), y_sorted_pd.dtype))
+
+
+def _unsort_add_bwd(top_k, residuals, dy_td):
+  perm_p, like = residuals
+  return _rows(dy_td, perm_p // top_k).astype(like.dtype), None
+
+
+unsort_add.defvjp(_unsort_add_fwd, _unsort_add_bwd)
+
+
+@jax.custom_vjp
+def sort_pairs(values_tk: jax.Array, perm_p: jax.Array) -> jax.Array:
+  """values [T, k] (one per pair) → [T·k] in the sorted row order: out[i] = values[pair perm[i]]."""
+  return _rows(values_tk.reshape(-1), perm_p)
+
+
+def _sort_pairs_fwd(values_tk, perm_p):
+  return sort_pairs(values_tk, perm_p), (perm_p, jnp.zeros((0,) + values_tk.shape, values_tk.dtype))
+
+
+def _sort_pairs_bwd(residuals, g_p):
+  perm_p, like = residuals
+  shape = like.shape[1:]
+  return _rows(g_p, inverse_permutation(perm_p)).reshape(shape).astype(like.dtype), None
+
+
+sort_pairs.defvjp(_sort_pairs_fwd, _sort_pairs_bwd)

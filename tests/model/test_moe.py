@@ -224,6 +224,54 @@ def test_forward_and_grad_bf16():
   assert leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
 
 
+def _gmm_count(fn, *args) -> int:
+  """Grouped matmuls (ragged_dot_general) in fn's jaxpr, sub-jaxprs included."""
+  from jax.extend import core as jcore
+  count = 0
+
+  def walk(jaxpr):
+    nonlocal count
+    for eqn in jaxpr.eqns:
+      count += eqn.primitive.name == "ragged_dot_general"
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else [value]:
+          if isinstance(sub, jcore.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jcore.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return count
+
+
+def test_routing_weight_rides_in_the_expert_so_selective_remat_reruns_no_gmm():
+  """Rows carry their routing weight into the expert (scaled before the down GEMM), so the
+  combine's backward needs no expert outputs: under the selective policy the gradient runs
+  exactly the grouped matmuls of the gradient without remat (3 forward, 6 backward), none twice.
+  The layer equals the dense reference, which weights after the experts, and so do the weight
+  gradients of the router and experts (fp32)."""
+  from k3train.model import remat
+  moe = make_moe()
+  graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+  x = tokens()
+  ct = normal(x.shape, 21)
+
+  def loss(p, forward):
+    m = nnx.merge(graphdef, p, rest, copy=True)
+    return jnp.sum(forward(m, x) * ct)
+
+  layer = lambda m, x: m(x, all_real(x))
+  plain = jax.grad(lambda p: loss(p, layer))
+  selective = jax.grad(jax.checkpoint(lambda p: loss(p, layer), policy=remat.policy("selective")))
+  assert _gmm_count(plain, params) == _gmm_count(selective, params) == 9
+  dense = jax.jit(jax.grad(lambda p: loss(p, moe_lib.moe_dense_reference)))(params)
+  got = jax.jit(selective)(params)
+  for (path, g), (_, want) in zip(nnx.to_flat_state(got), nnx.to_flat_state(dense)):
+    g, want = np.asarray(g[...]), np.asarray(want[...])
+    np.testing.assert_allclose(g, want, atol=1e-5 * max(np.abs(want).max(), 1.0), rtol=0,
+                               err_msg=str(path))
+
+
 def test_bad_backend_fails_at_construction():
   with pytest.raises(ValueError, match="allowed"):
     make_moe(backend="nope")

@@ -160,6 +160,16 @@ def _sorted_moe(x, w, idx):
   return moe_ops.combine(x_sorted * scale_p[:, None], w, perm)
 
 
+def _sorted_moe_scaled_rows(x, w, idx):
+  """The same MoE with the weights applied to the sorted rows (sorted_pair_weights) and the
+  unweighted combine_scaled."""
+  x_sorted, gs, perm = moe_ops.dispatch(x, idx, E)
+  scale_p = (_sorted_expert_ids(gs) + 1).astype(jnp.float32)
+  w_p = moe_ops.sorted_pair_weights(w, perm)
+  rows = (x_sorted.astype(jnp.float32) * (scale_p * w_p)[:, None]).astype(x.dtype)
+  return moe_ops.combine_scaled(rows, perm, idx.shape[1])
+
+
 def _dense_moe(x, w, idx):
   return jnp.sum(w[:, :, None] * (idx[:, :, None] + 1.0) * x[:, None, :], axis=1)
 
@@ -230,18 +240,30 @@ def _numpy_moe_grads(x, w, idx, ct, scale_e):
   return dx, dw
 
 
+@pytest.mark.parametrize("form", [_sorted_moe, _sorted_moe_scaled_rows])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
-def test_dispatch_combine_gradients_are_gathers_and_match_float64(dtype, tol):
+def test_dispatch_combine_gradients_are_gathers_and_match_float64(dtype, tol, form):
   """The backward of dispatch → combine holds no scatter-add (permute.py writes both directions
   as gathers through the inverse permutation) and equals the float64 gradients; with duplicate
-  experts per token too. Tolerance: fp32 1e-6, bf16 2e-2 (relative to the largest gradient)."""
+  experts per token too. Tolerance: fp32 1e-6, bf16 2e-2 (relative to the largest gradient).
+  Both forms: weights applied by `combine`, or to the sorted rows (`sorted_pair_weights`,
+  `combine_scaled`)."""
   x, idx, w = _routing(seed=7)
   ct = normal((T, D), 11)
   for idx_case in (idx, idx.at[:, 1].set(idx[:, 0])):
-    loss = lambda a, b: jnp.sum(_sorted_moe(a.astype(dtype), b, idx_case).astype(jnp.float32) * ct)
+    loss = lambda a, b: jnp.sum(form(a.astype(dtype), b, idx_case).astype(jnp.float32) * ct)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
     assert "scatter-add" not in _float_primitives(jax.make_jaxpr(grad)(x, w).jaxpr)
     want = _numpy_moe_grads(np.asarray(x.astype(dtype), np.float64), w, idx_case, ct, np.arange(E) + 1.0)
     for got, ref in zip(grad(x, w), want):
       np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=tol * np.abs(ref).max(),
                                  rtol=0)
+
+
+def test_scaled_rows_shape_errors():
+  x, idx, w = _routing()
+  _, _, perm = moe_ops.dispatch(x, idx, E)
+  with pytest.raises(ValueError, match="sorted_pair_weights"):
+    moe_ops.sorted_pair_weights(w[:, :1], perm)
+  with pytest.raises(ValueError, match="combine_scaled"):
+    moe_ops.combine_scaled(x, perm, TOPK)

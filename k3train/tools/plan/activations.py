@@ -64,7 +64,8 @@ Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 la
                   non-dot residuals of one super-block (dots_with_no_batch_dims_saveable is
                   planned the same way: K3's projections have no batch dims).
   selective       as dots_saveable, plus the values k3train/model/remat.py keeps by name: the
-                  top-k expert indices (int32), the expert gate/up gmm outputs, the KDA conv
+                  top-k expert indices (int32), the expert gate/up gmm outputs and the combined
+                  latent, the KDA conv
                   outputs of q, k, v, the attention output with its fp32 log-sum-exp and the
                   AttnRes statistics.
   none            every layer's residuals.
@@ -269,7 +270,8 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   c = Cost()
   c.add("moe: router fp32 input, logits, scores", dots=n * E * F, saved=n * (d * F + E * F + topk * 8),
         kept=n * topk * 4)
-  c.add("moe: latent down/up, latent norm", dots=n * (lat * A + d * A), saved=n * lat * (F + A))
+  c.add("moe: latent down/up, latent norm", dots=n * (lat * A + d * A), saved=n * lat * (F + A),
+        kept=n * lat * A)                       # the combined latent (the norm's input)
   c.add("moe: shared experts", dots=n * (2 * sh * A + d * A), saved=n * sh * (A + F))
   c.add(f"moe: expert rows (ep·n·k = {rows:,}) gmm input, gate/up/hidden, combine",
         saved=rows * (lat + 3 * fl) * A + n * topk * lat * A,
