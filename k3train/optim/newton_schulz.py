@@ -87,6 +87,18 @@ def _scaled_chain(y_bmn, coeffs, steps: int, epilogue_dtype=jnp.float32):
   return y_bmn, scale
 
 
+def epilogue_dtype(compute_dtype, backend: str | None = None) -> jnp.dtype:
+  """The dtype `_scaled_chain` writes its alpha·(L·R) + C in.
+
+  On GPUs the chain is written in `compute_dtype` (bf16 GEMM outputs, bf16 scale and add): that
+  is the pattern XLA's GEMM rewriter folds into the cuBLAS epilogue (alpha, and C with beta = 1),
+  and XLA's default excess precision keeps the scale and add in fp32 where it does not. Other
+  backends get the explicit float32 form (one rounding per GEMM by construction; XLA:CPU would
+  otherwise round after the product, the scale and the add)."""
+  backend = jax.default_backend() if backend is None else backend
+  return jnp.dtype(compute_dtype) if backend == "gpu" else jnp.dtype(jnp.float32)
+
+
 def orthogonalize(x_bmn: jax.Array, coeffs: Sequence[float] = NS_COEFFS, steps: int = NS_STEPS,
                   eps: float = NS_EPS, compute_dtype="bfloat16") -> jax.Array:
   """Quintic Newton–Schulz on each [m, n] block of `x_bmn`; float32 result of the same shape.
@@ -114,7 +126,7 @@ def orthogonalize(x_bmn: jax.Array, coeffs: Sequence[float] = NS_COEFFS, steps: 
     if coeffs[0] == 0 or coeffs[1] == 0:
       raise ValueError(f"the bf16 Newton–Schulz chain divides by the coefficients a and b; "
                        f"both must be nonzero, got {coeffs}")
-    y_bmn, scale = _scaled_chain(x_bmn, coeffs, steps)
+    y_bmn, scale = _scaled_chain(x_bmn, coeffs, steps, epilogue_dtype(compute_dtype))
     x_bmn = y_bmn.astype(jnp.float32) * scale
   return jnp.swapaxes(x_bmn, 1, 2) if tall else x_bmn
 
