@@ -2,7 +2,7 @@
 
   python benchmarks/newton_schulz.py --config=configs/k3_h200.py [--iters=10] [--dense=0]
   python benchmarks/newton_schulz.py --config=configs/k3_tiny.py --iters=3      # CPU smoke run
-  python benchmarks/newton_schulz.py --config=configs/k3_h200.py --per_shape --variants=bf16_batched
+  python benchmarks/newton_schulz.py --config=configs/k3_h200.py --per_shape=3 --variants=bf16_batched
 
 Takes the config's abstract parameters (`builder.abstract_state`), the Muon leaves with their
 dimension numbers (kv_b_proj cut into its k^C and v blocks, as the optimizer does), and random
@@ -18,10 +18,12 @@ calls, `block_until_ready`):
                  the rate reference (N from --dense, or 0: 2N³ close to the NS FLOPs, N in
                  [256, 8192])
 
-With --per_shape, also times `orthogonalize` (bf16) on each block shape's batch alone and prints
-one JSON line per shape (batch, m × n, ms, TFLOP/s, ratio to the dense rate): where the chain
-loses its rate. --variants picks which of the three variants run (the error columns need both
-sides).
+With --per_shape=N, also times three ways of writing the bf16 step (`step_forms`: the plain
+steps, the epilogue chain in fp32, the epilogue chain in bf16) on each of the N largest block
+shapes alone (0: all) and prints one JSON line per shape (ms, TFLOP/s, ratio to the dense rate,
+relative difference to the fp32 iteration; GEMM calls and fusions of the largest shape's
+optimized HLO). --variants picks which of the three whole-update variants run (the error columns
+need both sides).
 
 NS FLOPs are counted analytically per block (m ≤ n, per step 2m²n for A = X Xᵀ, 2m³ for A²,
 2m²n for (bA + cA²)X). Prints one JSON line: each variant's time, TFLOP/s and ratio to the
@@ -49,7 +51,8 @@ FLAGS = (
     _flags.Flag("iters", "int", 10, "timed calls per variant"),
     _flags.Flag("dense", "int", 0, "N of the dense bf16 reference matmul (0: from the NS FLOPs)"),
     _flags.Flag("seed", "int", 0, "seed of the random gradients"),
-    _flags.Flag("per_shape", "bool", False, "also time each block shape's batched chain alone"),
+    _flags.Flag("per_shape", "int", -1, "also time the step forms on each block shape alone: the N "
+                "largest shapes by FLOPs (0: all; -1: skip)"),
     _flags.Flag("variants", "list", ["bf16_batched", "fp32_batched", "optax"],
                 "variants to time: bf16_batched, fp32_batched, optax"),
 )
@@ -123,20 +126,70 @@ def rel_frobenius(a, b) -> float:
 DENSE_BATCH = 8
 
 
-def per_shape(layouts, iters: int, dense_rate: float, seed: int) -> None:
-  """One JSON line per block shape: its blocks' batched bf16 chain timed alone."""
+def step_forms() -> dict:
+  """name → function [batch, m, n] fp32 → NS result (m ≤ n), three ways of writing the bf16 step:
+
+    plain        X, A, A², bA + cA² and aX + (bA + cA²)X each rounded to bf16 apart (the form
+                 before the epilogue rewrite)
+    scaled_fp32  the chain of alpha·(L·R) + C GEMMs written in fp32, rounded once per GEMM
+                 (what every backend but GPU runs)
+    scaled_bf16  the same chain with bf16 GEMM outputs and a bf16 scale and add (what the GPU runs)
+  """
+  from k3train.optim import newton_schulz as ns
+  bf16, f32 = jnp.bfloat16, jnp.float32
+
+  def normalized(x):
+    return (x / (jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True)) + ns.NS_EPS)).astype(bf16)
+
+  def plain(x):
+    y = normalized(x)
+    for _ in range(ns.NS_STEPS):
+      y = ns._quintic_step(y, ns.NS_COEFFS, bf16)
+    return y.astype(f32)
+
+  def scaled(epilogue):
+    def run(x):
+      y, scale = ns._scaled_chain(normalized(x), ns.NS_COEFFS, ns.NS_STEPS, epilogue)
+      return y.astype(f32) * scale
+    return run
+
+  return {"plain": plain, "scaled_fp32": scaled(f32), "scaled_bf16": scaled(bf16)}
+
+
+def _hlo_counts(fn, x) -> dict:
+  """cuBLAS / custom-call targets and fusion kinds in the optimized HLO of jit(fn)(x)."""
+  import collections
+  import re
+  text = jax.jit(fn).lower(x).compile().as_text()
+  counts = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+  counts.update(re.findall(r"kind=(k\w+)", text))
+  return dict(counts)
+
+
+def per_shape(layouts, iters: int, dense_rate: float, seed: int, limit: int) -> None:
+  """One JSON line per block shape (the `limit` largest by FLOPs; 0: all): each step form of
+  `step_forms` timed alone on that shape's blocks, its rate, its relative Frobenius difference
+  to the fp32 iteration and, for the largest shape, its optimized HLO's GEMM calls and fusions."""
   from k3train.optim import newton_schulz as ns
   batches = {}
   for layout in layouts:
     batches[layout.block_shape] = batches.get(layout.block_shape, 0) + layout.batch
-  for (m, n), batch in sorted(batches.items(), key=lambda kv: -kv[1] * ns.ns_flops(*kv[0])):
+  shapes = sorted(batches.items(), key=lambda kv: -kv[1] * ns.ns_flops(*kv[0]))
+  forms = step_forms()
+  for rank, ((m, n), batch) in enumerate(shapes[:limit or None]):
     x = jax.random.normal(jax.random.key(seed), (batch, m, n), jnp.float32)
-    seconds, _, _ = timed(lambda x: ns.orthogonalize(x, compute_dtype="bfloat16"), (x,), iters)
-    rate = batch * ns.ns_flops(m, n) / seconds
-    print(json.dumps({"block": f"{m}x{n}", "batch": batch, "ms": round(1e3 * seconds, 3),
-                      "tflops": round(rate / 1e12, 1),
-                      "vs_dense": round(rate / dense_rate, 3)}), flush=True)
-    del x
+    ref = jax.jit(lambda x: ns.orthogonalize(x, compute_dtype="float32"))(x)
+    row = {"block": f"{m}x{n}", "batch": batch}
+    for name, fn in forms.items():
+      seconds, _, out = timed(fn, (x,), iters)
+      rate = batch * ns.ns_flops(m, n) / seconds
+      err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+      row.update({f"{name}_ms": round(1e3 * seconds, 3), f"{name}_tflops": round(rate / 1e12, 1),
+                  f"{name}_vs_dense": round(rate / dense_rate, 3), f"{name}_err": float(f"{err:.3g}")})
+      if rank == 0:
+        row[f"{name}_hlo"] = _hlo_counts(fn, x)
+    print(json.dumps(row), flush=True)
+    del x, ref
 
 
 def dense_size(ns_flops: int) -> int:
@@ -172,8 +225,8 @@ def main(argv=None) -> int:
   row.update(dense_n=n, dense_ms=1e3 * dense_s, dense_tflops=dense_rate / 1e12)
   del a, b
 
-  if f.per_shape:
-    per_shape(layouts, f.iters, dense_rate, f.seed)
+  if f.per_shape >= 0:
+    per_shape(layouts, f.iters, dense_rate, f.seed, f.per_shape)
   fns = variants(dims)
   unknown = sorted(set(f.variants) - set(fns))
   if unknown:

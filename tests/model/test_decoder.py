@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from tests.configs import k3_tiny
+from tests.jaxprs import primitive_counts
 from k3train.parallel import axes as ax
 from k3train.model.decoder import K3Model, build_model
 from k3train.model.kda import KimiDeltaAttention, lower_bound_gate
@@ -150,7 +151,6 @@ def test_remat_changes_neither_loss_nor_gradients():
 
 def _primitive_counts(remat_policy: str) -> collections.Counter:
   """Primitives in the jaxpr of the 3-layer tiny model's value_and_grad, sub-jaxprs included."""
-  from jax.extend import core as jcore
   from k3train.train.step import forward_loss
   cfg = k3_tiny.get_config()
   cfg.model.num_layers, cfg.model.mla_layers = 3, (2, 3)
@@ -161,20 +161,7 @@ def _primitive_counts(remat_policy: str) -> collections.Counter:
   batch = {"tokens": tokens, "targets": tokens, "segment_ids": jnp.ones((2, 64), jnp.int32),
            "loss_mask": jnp.ones((2, 64), jnp.float32)}
   grad_fn = jax.value_and_grad(lambda p: forward_loss(graphdef, p, rest, batch)[0])
-  counts = collections.Counter()
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      counts[eqn.primitive.name] += 1
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (list, tuple)) else [value]:
-          if isinstance(sub, jcore.ClosedJaxpr):
-            walk(sub.jaxpr)
-          elif isinstance(sub, jcore.Jaxpr):
-            walk(sub)
-
-  walk(jax.make_jaxpr(grad_fn)(params).jaxpr)
-  return counts
+  return primitive_counts(grad_fn, params)
 
 
 def test_selective_remat_keeps_routing_and_attention_instead_of_recomputing():

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from k3train.model import moe as moe_lib
+from tests.jaxprs import primitive_counts
 from k3train.model.layers import situ_glu as _situ_glu
 
 D_MODEL = 16
@@ -224,26 +225,6 @@ def test_forward_and_grad_bf16():
   assert leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
 
 
-def _gmm_count(fn, *args) -> int:
-  """Grouped matmuls (ragged_dot_general) in fn's jaxpr, sub-jaxprs included."""
-  from jax.extend import core as jcore
-  count = 0
-
-  def walk(jaxpr):
-    nonlocal count
-    for eqn in jaxpr.eqns:
-      count += eqn.primitive.name == "ragged_dot_general"
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (list, tuple)) else [value]:
-          if isinstance(sub, jcore.ClosedJaxpr):
-            walk(sub.jaxpr)
-          elif isinstance(sub, jcore.Jaxpr):
-            walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return count
-
-
 def test_routing_weight_rides_in_the_expert_so_selective_remat_reruns_no_gmm():
   """Rows carry their routing weight into the expert (scaled before the down GEMM), so the
   combine's backward needs no expert outputs: under the selective policy the gradient runs
@@ -263,7 +244,8 @@ def test_routing_weight_rides_in_the_expert_so_selective_remat_reruns_no_gmm():
   layer = lambda m, x: m(x, all_real(x))
   plain = jax.grad(lambda p: loss(p, layer))
   selective = jax.grad(jax.checkpoint(lambda p: loss(p, layer), policy=remat.policy("selective")))
-  assert _gmm_count(plain, params) == _gmm_count(selective, params) == 9
+  gmms = lambda fn: primitive_counts(fn, params)["ragged_dot_general"]
+  assert gmms(plain) == gmms(selective) == 9
   dense = jax.jit(jax.grad(lambda p: loss(p, moe_lib.moe_dense_reference)))(params)
   got = jax.jit(selective)(params)
   for (path, g), (_, want) in zip(nnx.to_flat_state(got), nnx.to_flat_state(dense)):

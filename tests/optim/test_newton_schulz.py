@@ -16,6 +16,7 @@ from optax.contrib import MuonDimensionNumbers as MDN
 
 from k3train.optim import muon
 from k3train.optim import newton_schulz as ns
+from tests.jaxprs import primitive_counts
 
 COEFFS = (3.4445, -4.7750, 2.0315)
 EPS = 1e-8
@@ -38,19 +39,6 @@ def ns_block_reference(g: np.ndarray, steps: int = 5) -> np.ndarray:
 
 def gaussian(shape, seed):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def count_primitive(jaxpr, name: str) -> int:
-  """Equations named `name` in a jaxpr, including those of nested jaxprs (pjit, cond, ...)."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  total = 0
-  for eqn in jaxpr.eqns:
-    total += eqn.primitive.name == name
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-          total += count_primitive(sub, name)
-  return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,8 +202,8 @@ def test_muon_update_has_one_matmul_chain_per_block_shape():
       "embed": {"embedding": jnp.zeros((100, d))},
   }
   tx = muon.make_muon_optimizer(learning_rate=1e-3, params_like=params)
-  jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
+  counts = primitive_counts(tx.update, params, tx.init(params), params)
   # Every per-head and expert block is 64×16 or 16×64 (one oriented shape, 16×64), q_a_proj is
   # 64×48 (oriented 48×64): 2 shapes × 5 steps × 3 matmuls (X Xᵀ, A², (bA + cA²) X). AdamW has
   # no matmuls. One chain per leaf would be 10 leaves × 15 = 150, one per block 65 × 15.
-  assert count_primitive(jaxpr, "dot_general") == 2 * 5 * 3
+  assert counts["dot_general"] == 2 * 5 * 3
