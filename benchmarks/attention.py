@@ -15,8 +15,9 @@ max_logit in both). Timing: jit, two warm-up calls, then 5 batches of n back-to-
 (n so a batch lasts ≥ 0.2 s), block_until_ready after each batch; the median per-call time.
 Before that: a numerical check of the GPU backends against the xla backend (B2 T1000 H4,
 uneven documents; fp32 and bf16), of the cudnn backend against pallas_gpu at the benchmark
-shape (uneven documents, v native or padded, a repeated id that takes the fallback), and with
-`--sweep` the kernel and cudnn settings at T 8192, 4 documents.
+shape (uneven documents, v native or padded, a repeated id that takes the fallback), and the
+settings sweeps: the dK/dV blocks at each `--sweep_shapes` (B x T x H x documents; default
+1x8192x32x4), the other kernel and the cudnn settings at T 8192, 4 documents.
 
 Prints one JSON line per measurement and a table at the end:
   PYTHONPATH=$PWD python3 benchmarks/attention.py [--parts check,sweep,table] [--impls ...]
@@ -218,10 +219,34 @@ SWEEP_BWD = [dict(dkv_block_q=32, dkv_block_k=64, dkv_warps=4, dkv_stages=3,
                   dq_block_q=64, dq_block_k=64, dq_warps=8, dq_stages=2)]
 
 
-def sweep():
-  t, docs = 8192, 4
-  q, k, v, do = inputs(t)
-  seg = jnp.asarray(doc_segments(t, docs))
+# dK/dV blocks alone (the rest at the defaults): keys per program × query rows per loop step.
+SWEEP_DKV = [dict(dkv_block_q=32, dkv_block_k=64), dict(dkv_block_q=64, dkv_block_k=32),
+             dict(dkv_block_q=128, dkv_block_k=32), dict(dkv_block_q=64, dkv_block_k=32,
+                                                          dkv_stages=2),
+             dict(dkv_block_q=64, dkv_block_k=16)]
+
+
+def sweep(shapes):
+  for b, t, h, docs in shapes:
+    sweep_shape(b, t, h, docs)
+
+
+def sweep_shape(b, t, h, docs):
+  """The settings sweeps at one shape; the full-settings sweeps only at B1 H32."""
+  q, k, v, do = inputs(t, b=b, h=h)
+  seg = jnp.asarray(doc_segments(t, docs).repeat(b, 0))
+  for cfg in SWEEP_DKV:
+    try:
+      with pallas_gpu.configured(**cfg):
+        fw, fb = make_ours("pallas_gpu")
+        ms_f = 1e3 * bench(jax.jit(fw), q, k, v, seg)
+        ms_b = 1e3 * bench(jax.jit(fb), q, k, v, seg, do)
+      emit(part="sweep", what="dkv", b=b, t=t, h=h, docs=docs, config=cfg, fwd_ms=round(ms_f, 4),
+           fwdbwd_ms=round(ms_b, 4))
+    except Exception as e:  # noqa: BLE001
+      emit(part="sweep", what="dkv", b=b, t=t, h=h, docs=docs, config=cfg, error=repr(e)[:300])
+  if (b, h) != (1, H):
+    return
   for cfg in SWEEP_FWD:
     try:
       with pallas_gpu.configured(**cfg):
@@ -306,6 +331,8 @@ def main():
   ap.add_argument("--parts", default=",".join(PARTS))
   ap.add_argument("--impls", default=",".join(IMPLS))
   ap.add_argument("--lengths", default="8192,32768")
+  ap.add_argument("--sweep_shapes", default="1x8192x32x4",
+                  help="B x T x H x documents per row for the settings sweep, comma-separated")
   a = ap.parse_args()
   parts, impls = a.parts.split(","), a.impls.split(",")
   commit = os.environ.get("COMMIT") or subprocess.run(
@@ -321,7 +348,9 @@ def main():
        gpu_config=str(pallas_gpu.CONFIG))
   gpu_backends = [b for b in ("pallas_gpu", "cudnn") if b in impls]
   steps = {"check": lambda: numerical_check(gpu_backends), "cudnn_check": cudnn_check,
-           "sweep": sweep, "cudnn_sweep": cudnn_sweep,
+           "sweep": lambda: sweep([tuple(int(n) for n in x.split("x"))
+                                   for x in a.sweep_shapes.split(",")]),
+           "cudnn_sweep": cudnn_sweep,
            "table": lambda: main_table([int(x) for x in a.lengths.split(",")], impls)}
   for name in parts:
     t0 = time.time()

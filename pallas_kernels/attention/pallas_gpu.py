@@ -50,15 +50,17 @@ MAX_HEAD_DIM = 256
 class Config:
   """Block sizes (powers of two ≥ 16) and Triton launch settings of the three kernels.
 
-  Defaults: from the settings sweep on an H200 at B1 H32 Dk192 Dv128 bf16, T 8192, 4 documents
-  (benchmarks/attention.md): no measured alternative was more than 1 % faster.
+  Defaults: from the settings sweeps on an H200 at Dk192 Dv128 bf16 (benchmarks/attention.md):
+  B1 H32 T 8192 with 4 documents and 1, and B4 H16 T 4096 (the k3_h200 step's shape). The dK/dV
+  kernel's 32 keys × 64 queries per loop step took 9–11 % off the forward + backward at all four
+  against 64 × 32; no other measured alternative was more than 1 % faster.
   """
   block_q: int = 128        # forward: query rows per program
   block_k: int = 64         # forward: keys per loop step
   fwd_warps: int = 8
   fwd_stages: int = 3
-  dkv_block_q: int = 32     # dK/dV: query rows per loop step
-  dkv_block_k: int = 64     # dK/dV: keys per program
+  dkv_block_q: int = 64     # dK/dV: query rows per loop step
+  dkv_block_k: int = 32     # dK/dV: keys per program
   dkv_warps: int = 4
   dkv_stages: int = 3
   dq_block_q: int = 64      # dQ: query rows per program
