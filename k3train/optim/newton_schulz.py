@@ -7,9 +7,10 @@ one batched chain per shape (`orthogonalize`). Blocks are oriented so that m ≤
 (a tall [in, out] block is handled as its transpose, NS(Gᵀ) = NS(G)ᵀ), so a tall and a wide block
 of transposed sizes share one chain too.
 
-The matmuls take `compute_dtype` operands, accumulate in float32 and write `compute_dtype`:
-bfloat16 runs at the tensor-core rate and halves the traffic between the matmuls; float32 is the plain fp32 iteration (the same arithmetic as optax's
-`orthogonalize_via_newton_schulz`), kept as the reference path.
+The matmuls take `compute_dtype` operands and accumulate in float32. bfloat16 runs at the
+tensor-core rate as a chain of alpha·(L·R) + C GEMMs (`_scaled_chain`); float32 is the plain
+fp32 iteration (the same arithmetic as optax's `orthogonalize_via_newton_schulz`), kept as the
+reference path.
 """
 
 from __future__ import annotations
