@@ -23,6 +23,7 @@ from k3train import config as config_lib
 from k3train.model import attnres
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
+from k3train.model import layer_scan
 from k3train.model import layers
 from k3train.model import remat
 from k3train.model.kda import KimiDeltaAttention
@@ -125,21 +126,33 @@ class K3Model(nnx.Module):
     self.mtp_loss_weight = float(t.loss_weight) if t is not None and t.enabled else 0.0
     self.mtp = nnx.data(MTPModule(m, rngs=rngs) if t is not None and t.enabled else None)
 
-  def _run_stack(self, stream, segment_ids_bt, token_mask_bt):
+  def _run_stack(self, stream, segment_ids_bt, token_mask_bt, grad_acc=None):
+    """The scan over super-blocks. grad_acc = (accumulator shaped like the stack's parameters,
+    weight): differentiate with respect to the accumulator, which receives accumulator +
+    weight · the stack's parameter gradient, added in place layer by layer
+    (k3train/model/layer_scan.py); the parameters themselves then get no gradient."""
     sched = self.schedule
     graphdef, params, rest = nnx.split(self.stack, nnx.Param, ...)
 
-    def body(stream, xs):
-      block_params, block_rest, index = xs
+    def body(stream, block_params, xs, consts):
+      block_rest, index = xs
       block = nnx.merge(graphdef, block_params, block_rest)
       first = sched.prefix + index * len(sched.period)
-      stream = block(stream, first, segment_ids_bt, token_mask_bt)
+      stream = block(stream, first, *consts)
       return stream, nnx.state(block, nnx.Not(nnx.Param))
 
     if self.remat_policy != "none":
       body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False)
     indices = jnp.arange(sched.num_super_blocks, dtype=jnp.int32)
-    stream, new_rest = jax.lax.scan(body, stream, (params, rest, indices))
+    consts = (segment_ids_bt, token_mask_bt)
+    if grad_acc is None:
+      stream, new_rest = jax.lax.scan(lambda c, x: body(c, x[0], x[1], consts), stream,
+                                      (params, (rest, indices)))
+    else:
+      acc, weight = grad_acc
+      acc = _like_tree(params, acc, "the stack's gradient accumulator")
+      stream, new_rest = layer_scan.accumulating_scan(body, stream, params, (rest, indices), consts,
+                                                      acc, weight)
     nnx.update(self.stack, new_rest)
     return stream
 
@@ -166,11 +179,14 @@ class K3Model(nnx.Module):
     nnx.update(module, new_rest)
     return out
 
-  def hidden_states(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None, vision=None) -> jax.Array:
+  def hidden_states(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None, vision=None,
+                    stack_grad_acc=None) -> jax.Array:
     """The final AttnRes mix before the norm, [B, T, d] (also the MTP input).
 
     `vision`: the batch's vision_patches / vision_grids / vision_grid_ids (a mapping) when the
     tower is on; its tokens replace the placeholder embeddings (vision.splice).
+    `stack_grad_acc`: (gradient accumulator of the scanned stack's parameters, weight), for
+    gradient accumulation in the stack's backward pass (see `_run_stack`).
     """
     if token_mask_bt is None:
       token_mask_bt = jnp.ones(tokens_bt.shape, jnp.float32)
@@ -183,7 +199,9 @@ class K3Model(nnx.Module):
     for i, layer in enumerate(self.prefix):
       stream = self._run_layer(layer, stream, i, segment_ids_bt, token_mask_bt)
     if self.stack is not None:
-      stream = self._run_stack(stream, segment_ids_bt, token_mask_bt)
+      stream = self._run_stack(stream, segment_ids_bt, token_mask_bt, stack_grad_acc)
+    elif stack_grad_acc is not None:
+      raise ValueError("stack_grad_acc given, but the model has no scanned stack")
     for i, layer in enumerate(self.suffix):
       stream = self._run_layer(layer, stream, self.schedule.suffix_start + i, segment_ids_bt,
                                token_mask_bt)
@@ -205,6 +223,17 @@ class K3Model(nnx.Module):
     h = self.hidden_states(tokens_bt, segment_ids_bt, token_mask_bt, vision)
     logits = self.lm_head(self.final_norm(h))
     return constrain(logits, ax.BATCH, ax.SEQ, ax.VOCAB)
+
+
+def _like_tree(reference, tree, what: str):
+  """`tree`'s leaves in `reference`'s tree structure (same leaf order, shapes checked)."""
+  ref_leaves, ref_def = jax.tree.flatten(reference)
+  leaves = jax.tree.leaves(tree)
+  if len(leaves) != len(ref_leaves) or any(a.shape != b.shape for a, b in zip(leaves, ref_leaves)):
+    raise ValueError(f"{what} does not match the parameters: {len(leaves)} leaves "
+                     f"{[a.shape for a in leaves][:4]}… against {len(ref_leaves)} "
+                     f"{[b.shape for b in ref_leaves][:4]}…")
+  return jax.tree.unflatten(ref_def, leaves)
 
 
 log = logging.getLogger(__name__)

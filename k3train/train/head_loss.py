@@ -59,6 +59,7 @@ def chunked_token_stats(x_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array
   """
   _check_inputs(x_btd, w_dv, targets_bt, chunk_tokens)
   dtype = jnp.dtype(dtype)
+  w_dv = w_dv.astype(dtype)          # cast once, not in every chunk
 
   def body(_, xs):
     x_bcd, targets_bc = xs
@@ -147,10 +148,11 @@ def _fused_ce(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, dtype):
   """Mean masked cross-entropy, loss only (the primal: no gradient work)."""
   chunks = (_to_chunks(x_btd, chunk_tokens), _to_chunks(targets_bt, chunk_tokens),
             _to_chunks(mask_bt, chunk_tokens))
+  w_c = w_dv.astype(dtype)           # cast once, not in every chunk
 
   def body(total, xs):
     x_bcd, targets_bc, mask_bc = xs
-    ce_bc, _, _ = _chunk_ce(_chunk_logits(x_bcd, w_dv, dtype), targets_bc)
+    ce_bc, _, _ = _chunk_ce(_chunk_logits(x_bcd, w_c, dtype), targets_bc)
     return total + jnp.sum(ce_bc * mask_bc), None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), chunks)
@@ -163,12 +165,14 @@ def _fused_ce_fwd(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, dtype):
   chunks = (_to_chunks(x_btd, chunk_tokens), _to_chunks(targets_bt, chunk_tokens),
             _to_chunks(mask_bt, chunk_tokens))
 
+  w_c = w_dv.astype(dtype)           # cast once, not in every chunk (XLA leaves it in the loop)
+
   def body(carry, xs):
     total, dw_dv = carry
     x_bcd, targets_bc, mask_bc = xs
-    logits_bcv = _chunk_logits(x_bcd, w_dv, dtype)
+    logits_bcv = _chunk_logits(x_bcd, w_c, dtype)
     ce_bc, logz_bc, onehot_bcv = _chunk_ce(logits_bcv, targets_bc)
-    dx_bcd, dw_chunk = _chunk_grads(x_bcd, w_dv, logits_bcv, logz_bc, onehot_bcv, mask_bc * inv_n,
+    dx_bcd, dw_chunk = _chunk_grads(x_bcd, w_c, logits_bcv, logz_bc, onehot_bcv, mask_bc * inv_n,
                                     dtype, x_btd.dtype)
     return (total + jnp.sum(ce_bc * mask_bc), dw_dv + dw_chunk), dx_bcd
 

@@ -165,18 +165,22 @@ def head_loss(model, x_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array
     return cross_entropy(logits_btv, targets_bt, mask_bt)
 
 
-def forward_loss(graphdef, params, rest, batch, loss_chunk_tokens: int = 0):
+def forward_loss(graphdef, params, rest, batch, loss_chunk_tokens: int = 0, stack_grad_acc=None):
   """Loss and the updated non-parameter state for one batch (vision keys go to the tower).
 
   The loss is the mean next-token cross-entropy over the loss tokens; with an MTP module
   (model.mtp) plus λ · the MTP cross-entropy summed over its positions / the loss tokens
   (k3train/model/mtp.py), so micro-batches weighted by their loss tokens stay exact. Both heads
-  run as `head_loss` with `loss_chunk_tokens` (`train.loss_chunk_tokens`)."""
+  run as `head_loss` with `loss_chunk_tokens` (`train.loss_chunk_tokens`).
+
+  stack_grad_acc: (accumulator shaped like params["stack"], weight) to accumulate the scanned
+  stack's gradient in its own backward pass (`K3Model._run_stack`; used by `loss_and_grads`)."""
   model = nnx.merge(graphdef, params, rest, copy=True)  # fresh Variables at this trace level
   token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
   vision = {k: batch[k] for k in VISION_BATCH_KEYS if k in batch} or None
   mask = loss_mask_of(batch, getattr(model, "placeholder_id", None))
-  h = model.hidden_states(batch["tokens"], batch["segment_ids"], token_mask, vision)
+  h = model.hidden_states(batch["tokens"], batch["segment_ids"], token_mask, vision,
+                          stack_grad_acc=stack_grad_acc)
   loss, n_tokens = head_loss(model, model.final_norm(h), batch["targets"], mask, loss_chunk_tokens)
   if getattr(model, "mtp", None) is not None:
     mtp_sum = mtp_ce_sum(model, h, batch, mask, token_mask, loss_chunk_tokens)
@@ -229,12 +233,17 @@ def _combine_rest(rest_stacked):
 
 
 def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
-                   loss_chunk_tokens: int = 0, forward_params=None):
+                   loss_chunk_tokens: int = 0, forward_params=None, accumulate_in_stack: bool = True):
   """(loss, (new rest, loss tokens), grads) for one step's batch, accumulated over micro-batches.
 
   microbatches == 1 is the plain value_and_grad of `forward_loss`. Otherwise the batch size must
   divide by it; gradients accumulate in fp32 inside a scan (one micro-batch's activations live at
-  a time). loss_chunk_tokens: see `head_loss`.
+  a time): acc ← acc + weight · g per micro-batch. loss_chunk_tokens: see `head_loss`.
+
+  accumulate_in_stack (with a scanned stack of layers): the stack's share of that sum happens
+  inside the stack's backward scan, one layer's slice at a time, into the accumulator itself
+  (k3train/model/layer_scan.py) — the same arithmetic without a zero-filled gradient buffer per
+  micro-batch and the separate pass that adds it. False: every leaf is summed after the backward.
 
   forward_params: a function params → the parameters the forward runs with (a once-per-step cast
   of the routed-expert weights, `moe.cast_expert_weights`), applied before the micro-batches;
@@ -256,18 +265,43 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
   tokens_n = jnp.sum(loss_mask_of(micro, placeholder_id).astype(jnp.float32), axis=(1, 2))  # [N]
   weight_n = tokens_n / jnp.maximum(jnp.sum(tokens_n), 1.0)
 
+  in_stack = accumulate_in_stack and "stack" in params
+
+  def loss_with_stack_acc(graphdef, params, rest, batch, stack_acc, weight):
+    return forward_loss(graphdef, params, rest, batch, loss_chunk_tokens,
+                        stack_grad_acc=(stack_acc, weight))
+  stack_grad_fn = jax.value_and_grad(loss_with_stack_acc, argnums=(1, 4), has_aux=True)
+
   def body(acc, xs):
     mb, weight = xs
     mb = {k: constrain(v, *VISION_BATCH_KEYS[k]) if k in VISION_BATCH_KEYS else
           constrain(v, ax.BATCH, ax.SEQ) if v.ndim == 2 else v for k, v in mb.items()}
-    (loss, (new_rest, _)), grads = grad_fn(graphdef, run_params, rest, mb)
     grads_acc, loss_acc = acc
-    grads_acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), grads_acc, grads)
+    add = lambda a, g: a + weight * g.astype(jnp.float32)
+    if in_stack:
+      (loss, (new_rest, _)), (grads, stack_acc) = stack_grad_fn(graphdef, run_params, rest, mb,
+                                                                grads_acc["stack"], weight)
+      grads_acc = _add_outside_stack(add, grads_acc, grads, stack_acc)
+    else:
+      (loss, (new_rest, _)), grads = grad_fn(graphdef, run_params, rest, mb)
+      grads_acc = jax.tree.map(add, grads_acc, grads)
     return (grads_acc, loss_acc + weight * loss), new_rest
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   (grads, loss), rest_n = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), (micro, weight_n))
   return (loss, (_combine_rest(rest_n), jnp.sum(tokens_n))), like_params(grads)
+
+
+def _add_outside_stack(add, acc, grads, stack_acc):
+  """add(a, g) leaf by leaf, except under "stack", whose leaves come from `stack_acc` (already
+  accumulated by the stack's backward pass; `grads` holds unused zeros there)."""
+  stack_leaves = iter(jax.tree.leaves(stack_acc))
+  def one(path, a, g):
+    return next(stack_leaves) if path_names(path)[0] == "stack" else add(a, g)
+  out = jax.tree_util.tree_map_with_path(one, acc, grads)
+  if next(stack_leaves, None) is not None:
+    raise ValueError("the stack's accumulated gradients do not match the parameters' stack")
+  return out
 
 
 def spike_guard(loss, loss_ema, *, factor: float, decay: float):

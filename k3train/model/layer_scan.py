@@ -1,0 +1,164 @@
+"""A scan over stacked layers whose backward pass adds the weight gradients into an accumulator.
+
+Gradient accumulation over micro-batches (k3train/train/step.py) needs, per micro-batch,
+acc ← acc + w · ∂L/∂θ. Through `jax.lax.scan`'s own transpose the stacked layers' gradient is a
+fresh buffer: JAX fills it with zeros, the backward scan writes one layer's slice per iteration,
+and the sum with the accumulator is a further pass over every stacked parameter (at k3_h200
+12 GB of fp32 per micro-batch, read twice and written twice more than needed).
+
+`accumulating_scan` runs the same forward scan, but its backward scan carries the accumulator
+itself and adds each layer's gradient, scaled by w, into that layer's slice in place: no zero
+fill, no separate gradient buffer, no extra pass. The accumulator is an input of the function and
+the result comes back as *its* cotangent (the stacked parameters get none), so the caller
+differentiates with respect to the accumulator:
+
+    grads = jax.grad(lambda acc: loss(accumulating_scan(body, c, params, xs, consts, acc, w)))(acc)
+    # grads == acc + w · ∂loss/∂params   (leaf by leaf, in the accumulator's dtype)
+
+The forward keeps exactly what a plain scan of `body` keeps: each iteration's `jax.vjp` residuals
+(under a `jax.checkpoint` policy, what the policy saves plus the iteration's inputs), stacked
+over the iterations. Residuals that are the iteration's own parameter, `xs` or `consts` arrays
+are not stacked (they would be copies); the backward slices them again.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Where a residual of one iteration's vjp comes from.
+_PARAM, _XS, _CONST, _SAVED = "param", "xs", "const", "saved"
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _source_of(leaf, params_i, xs_i, consts) -> tuple[str, int]:
+  for kind, group in ((_PARAM, params_i), (_XS, xs_i), (_CONST, consts)):
+    for k, x in enumerate(group):
+      if leaf is x:
+        return kind, k
+  return _SAVED, -1
+
+
+class _Body:
+  """The layer function, plus what tracing the forward learnt about its residuals (the
+  backward's static information: residual tree structure and where each residual comes from)."""
+
+  def __init__(self, fn: Callable):
+    self.fn = fn
+    self.layout: dict = {}
+
+
+def accumulating_scan(body: Callable, carry: Any, params: Any, xs: Any, consts: Any,
+                      grad_acc: Any, weight: jax.Array):
+  """(carry, ys) of `jax.lax.scan` over the leading axis of `params` and `xs` with
+  body(carry, params_i, xs_i, consts) -> (carry, ys).
+
+  Differentiation: the carry gets its usual cotangent; `grad_acc` (a tree shaped like `params`,
+  usually fp32) gets grad_acc + weight · ∂/∂params, accumulated in place layer by layer; `params`,
+  `xs`, `consts` and `weight` get none, and `ys` (statistics the layers write) pass no gradient.
+  Wrap `body` in `jax.checkpoint` for rematerialisation, as for a plain scan.
+  """
+  return _scan(_Body(body), carry, params, xs, consts, grad_acc, weight)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan(body: _Body, carry, params, xs, consts, grad_acc, weight):
+  del grad_acc, weight
+
+  def step(c, inputs):
+    p_i, x_i = inputs
+    return body.fn(c, p_i, x_i, consts)
+  return jax.lax.scan(step, carry, (params, xs))
+
+
+def _fwd(body: _Body, carry, params, xs, consts, grad_acc, weight):
+  param_leaves, param_def = jax.tree.flatten(params)
+  xs_leaves, xs_def = jax.tree.flatten(xs)
+  const_leaves = jax.tree.leaves(consts)
+  layout = body.layout                       # filled while the scan body is traced (once)
+
+  def step(c, inputs):
+    p_leaves, x_leaves = inputs
+    p_i = jax.tree.unflatten(param_def, p_leaves)
+    # xs rebuilt inside the differentiated function: containers holding state (flax nnx
+    # Variables) must be created at the trace level that may write them.
+    layer = lambda p, cc: body.fn(cc, p, jax.tree.unflatten(xs_def, x_leaves), consts)
+    c_out, vjp_fn, ys = jax.vjp(layer, p_i, c, has_aux=True)
+    res_leaves, res_def = jax.tree.flatten(vjp_fn)
+    sources = [_source_of(r, p_leaves, x_leaves, const_leaves) for r in res_leaves]
+    layout["treedef"], layout["sources"] = res_def, sources
+    saved = [r for r, (kind, _) in zip(res_leaves, sources) if kind == _SAVED]
+    return c_out, (ys, saved)
+
+  carry_out, (ys, saved) = jax.lax.scan(step, carry, (param_leaves, xs_leaves))
+  layout["carry"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                                 carry)   # the carry's structure and types, not its values
+  return (carry_out, ys), (params, xs, consts, saved, grad_acc, weight)
+
+
+def _float_zero_like(x):
+  """A cotangent of zeros for a primal x (float0 for integer and boolean arrays)."""
+  if _is_float(x):
+    return jnp.zeros(x.shape, x.dtype)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _add_at(acc, update, index):
+  """acc[index] += update along the leading axis, in place (a dynamic-update-slice of the slice
+  plus the update; the index is a loop counter, never negative)."""
+  row = jax.lax.dynamic_index_in_dim(acc, index, 0, keepdims=False, allow_negative_indices=False)
+  return jax.lax.dynamic_update_index_in_dim(acc, row + update, index, 0,
+                                             allow_negative_indices=False)
+
+
+def _bwd(body: _Body, residuals, cotangents):
+  params, xs, consts, saved, grad_acc, weight = residuals
+  res_def, sources, carry = body.layout["treedef"], body.layout["sources"], body.layout["carry"]
+  ct_carry, _ = cotangents                   # the ys are statistics: no gradient flows through them
+  param_leaves, param_def = jax.tree.flatten(params)
+  xs_leaves = jax.tree.leaves(xs)
+  const_leaves = jax.tree.leaves(consts)
+  carry_leaves, carry_def = jax.tree.flatten(carry)
+  float_slots = [i for i, x in enumerate(carry_leaves) if _is_float(x)]
+  ct_leaves = jax.tree.leaves(ct_carry)
+  acc_leaves, acc_def = jax.tree.flatten(grad_acc)
+  if acc_def != param_def:
+    raise ValueError(f"grad_acc must have the structure of params: {acc_def} vs {param_def}")
+  length = param_leaves[0].shape[0] if param_leaves else jax.tree.leaves(xs)[0].shape[0]
+
+  def step(state, inputs):
+    ct_float, acc = state
+    index, p_i, x_i, saved_i = inputs      # the scan slices parameters and xs, as its own would
+    it = iter(saved_i)
+    res = [p_i[k] if kind == _PARAM else x_i[k] if kind == _XS else
+           const_leaves[k] if kind == _CONST else next(it) for kind, k in sources]
+    vjp_fn = jax.tree.unflatten(res_def, res)
+    ct_full = [_float_zero_like(x) for x in carry_leaves]
+    for slot, ct in zip(float_slots, ct_float):
+      ct_full[slot] = ct
+    ct_p, ct_c = vjp_fn(jax.tree.unflatten(carry_def, ct_full))
+    ct_p_leaves = jax.tree.leaves(ct_p)
+    acc = [_add_at(a, weight.astype(a.dtype) * g.astype(a.dtype), index)
+           for a, g in zip(acc, ct_p_leaves)]
+    ct_c_leaves = jax.tree.leaves(ct_c)
+    return ([ct_c_leaves[slot] for slot in float_slots], acc), None
+
+  ct_float0 = [ct_leaves[slot] for slot in float_slots]
+  indices = jnp.arange(length, dtype=jnp.int32)
+  (ct_float, acc), _ = jax.lax.scan(step, (ct_float0, acc_leaves),
+                                    (indices, param_leaves, xs_leaves, saved), reverse=True)
+  ct_in = [_float_zero_like(x) for x in carry_leaves]
+  for slot, ct in zip(float_slots, ct_float):
+    ct_in[slot] = ct
+  return (jax.tree.unflatten(carry_def, ct_in), None, None, None,
+          jax.tree.unflatten(acc_def, acc), None)
+
+
+_scan.defvjp(_fwd, _bwd)

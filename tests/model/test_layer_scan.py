@@ -1,0 +1,117 @@
+"""The accumulating layer scan: its forward is a scan, its backward adds w · ∂/∂params into the
+accumulator (k3train/model/layer_scan.py), and the train step's accumulation through it equals
+the accumulation after the backward pass."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from tests.configs import k3_tiny
+from k3train.model import layer_scan
+from k3train.model.decoder import build_model
+from k3train.train.step import loss_and_grads
+
+L = 3
+
+
+def _body(carry, p, x, consts):
+  """A layer with an integer carry leaf, a saved name, an xs input and a const."""
+  s, n = carry
+  (scale,) = consts
+  h = checkpoint_name(jnp.tanh(s @ p["w"] * scale), "h")
+  return (s + h @ p["v"] * x["b"], n + 1), {"stat": jax.lax.stop_gradient(jnp.sum(h))}
+
+
+def _inputs(dtype):
+  rng = np.random.default_rng(0)
+  draw = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+  params = {"w": 0.3 * draw(L, 8, 8), "v": 0.3 * draw(L, 8, 8)}
+  xs = {"b": 1.0 + 0.1 * draw(L, 8)}
+  return params, xs, draw(4, 8), (draw(4, 1),), {k: draw(*v.shape) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("policy", [None, "saved_h", "nothing"])
+def test_gradient_into_the_accumulator_equals_the_scan_gradient(policy):
+  with jax.enable_x64():
+    params, xs, s0, consts, acc = _inputs(jnp.float64)
+    body = _body
+    if policy == "saved_h":
+      body = jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("h"))
+    elif policy == "nothing":
+      body = jax.checkpoint(_body)
+    weight = jnp.float64(0.37)
+
+    def plain(params, s):
+      (c, n), ys = jax.lax.scan(lambda c, i: body(c, i[0], i[1], consts), (s, jnp.int32(0)),
+                                (params, xs))
+      return jnp.sum(c ** 2), (n, ys)
+
+    def accumulating(acc, s):
+      (c, n), ys = layer_scan.accumulating_scan(body, (s, jnp.int32(0)), params, xs, consts, acc,
+                                                weight)
+      return jnp.sum(c ** 2), (n, ys)
+
+    (l0, (n0, ys0)), (g_params, g_s) = jax.value_and_grad(plain, (0, 1), has_aux=True)(params, s0)
+    (l1, (n1, ys1)), (g_acc, g_s1) = jax.jit(jax.value_and_grad(accumulating, (0, 1),
+                                                                has_aux=True))(acc, s0)
+    assert float(l0) == float(l1) and int(n0) == int(n1) == L
+    np.testing.assert_array_equal(ys0["stat"], ys1["stat"])
+    np.testing.assert_allclose(g_s1, g_s, rtol=1e-12, atol=1e-12)
+    for k in params:
+      np.testing.assert_allclose(g_acc[k], acc[k] + 0.37 * g_params[k], rtol=1e-12, atol=1e-12)
+
+
+def test_parameters_xs_and_consts_are_not_stacked_as_residuals():
+  """Each iteration's parameters, xs and consts are sliced again in the backward pass, not
+  copied into stacked residual buffers (the stacked parameters would be a copy of them all)."""
+  params, xs, s0, consts, acc = _inputs(jnp.float32)
+  body = layer_scan._Body(jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("h")))
+  out, residuals = layer_scan._fwd(body, (s0, jnp.int32(0)), params, xs, consts, acc, jnp.float32(1))
+  kinds = collections.Counter(kind for kind, _ in body.layout["sources"])
+  assert kinds["param"] == 2 and kinds["xs"] == 1 and kinds["const"] == 1
+  saved = residuals[3]
+  # What is stacked: the saved name h [4, 8] and the iteration's input carry s [4, 8].
+  assert sorted(x.shape for x in saved) == [(L, 4, 8), (L, 4, 8)]
+
+
+def test_accumulator_must_match_the_parameters():
+  params, xs, s0, consts, acc = _inputs(jnp.float32)
+  bad = {"w": acc["w"]}
+  loss = lambda a: jnp.sum(layer_scan.accumulating_scan(_body, (s0, jnp.int32(0)), params, xs,
+                                                        consts, a, jnp.float32(1))[0][0])
+  with pytest.raises(ValueError, match="grad_acc must have the structure of params"):
+    jax.grad(loss)(bad)
+
+
+def test_micro_batch_gradients_accumulated_in_the_stack_equal_the_plain_sum():
+  """loss_and_grads over 2 micro-batches, the stack's gradients summed inside its backward scan
+  or after it: the same arithmetic, so the same numbers (fp32, bit for bit here)."""
+  cfg = k3_tiny.get_config()
+  cfg.model.num_layers, cfg.model.mla_layers = 6, (2, 4, 6)   # prefix [KDA, MLA], 2 × [KDA, MLA]
+  cfg.model.remat_policy = "selective"
+  model = build_model(cfg.model, seed=0)
+  assert model.stack is not None
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  b, t = 4, 32
+  rng = np.random.default_rng(1)
+  loss_mask = np.ones((b, t), np.float32)
+  loss_mask[1, 9:] = 0.0                                       # unequal micro-batch weights
+  batch = {"tokens": jnp.asarray(rng.integers(8, cfg.model.vocab_size, (b, t)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(8, cfg.model.vocab_size, (b, t)), jnp.int32),
+           "segment_ids": jnp.ones((b, t), jnp.int32), "loss_mask": jnp.asarray(loss_mask)}
+  run = jax.jit(loss_and_grads, static_argnums=(0, 4, 5, 6, 7))
+  (loss0, (rest0, _)), grads0 = run(graphdef, params, rest, batch, 2, 0, None, False)
+  (loss1, (rest1, _)), grads1 = run(graphdef, params, rest, batch, 2, 0, None, True)
+  assert float(loss0) == float(loss1)
+  leaves0 = jax.tree_util.tree_leaves_with_path(grads0)
+  assert any(p[0].key == "stack" for p, _ in leaves0)
+  for (path, a), b_ in zip(leaves0, jax.tree.leaves(grads1)):
+    scale = max(float(jnp.max(jnp.abs(a))), 1e-30)
+    assert float(jnp.max(jnp.abs(a - b_))) <= 1e-6 * scale, jax.tree_util.keystr(path)
+  for a, b_ in zip(jax.tree.leaves(rest0), jax.tree.leaves(rest1)):
+    np.testing.assert_array_equal(a, b_)
