@@ -35,11 +35,10 @@ def get_config():
   c.train.use_stages = False             # one stage; the K3 stage plan needs a pod
 
   c.data.seq_len = 4096
-  c.train.global_batch_size = 16         # 65,536 tokens per update, as 8 micro-batches of
-  c.train.microbatches = 8               # 2 × 4096: what fits one H200 with remat "selective"
-  # Micro-batches of 4 × 4096 with the fused head loss (train.microbatches=4,
-  # train.loss_chunk_tokens=1024) run ~6 % faster (benchmarks/train_step.md) but take 121 GiB,
-  # more than the memory plan's 10 % margin allows on a 139 GiB device.
+  c.train.global_batch_size = 16         # 65,536 tokens per update, as 4 micro-batches of
+  c.train.microbatches = 4               # 4 × 4096 with remat "selective" and the fused, chunked
+  c.train.loss_chunk_tokens = 1024       # head loss: XLA 114.7 GiB per H200, the plan 123.8 GiB
+  # (benchmarks/train_step.md). Twice as many micro-batches of 2 × 4096 run ~6 % slower.
   c.train.steps = 1000
   c.optim.warmup_steps = 100
   c.checkpoint.every_steps = 500

@@ -6,7 +6,9 @@ Terms besides the state (k3train/tools/plan/state.py) and the activations
 
   gradients             in model.param_dtype, sharded like the parameters;
   gradient accumulator  with train.microbatches > 1, one more gradient-sized running sum, live
-                        in forward and backward;
+                        in forward and backward; the scanned stack's backward adds its
+                        gradients into it layer by layer, so the backward phase holds no
+                        gradient of the stack's parameters beside it;
   gathered weights      the largest layer (or the embedding / head) gathered over
                         fsdp / sequence / data in model.dtype, twice (the next layer's gather
                         overlaps this layer's compute), plus in backward its gradient in
@@ -108,7 +110,12 @@ def make_plan(cfg, state, sizes: Mapping[str, int], *, rules_name: str, seq_len:
   opt_transient = 3 * sb.largest_opt_leaf
   cast_once = A < P and not cfg.model.quant.enabled
   expert_cast = sb.expert_params * A if cast_once else 0
-  grads_bwd = grads - (sb.expert_params * (P - A) if cast_once else 0)
+  # With micro-batches the scanned stack's backward adds its gradients straight into the
+  # accumulator, one layer at a time (k3train/model/layer_scan.py): no stack-sized gradient.
+  in_stack = microbatches > 1 and sb.stack_params > 0
+  grads_bwd = grads - (sb.stack_params if in_stack else 0)
+  experts_bwd = sb.expert_params - (sb.stack_expert_params if in_stack else 0)
+  grads_bwd -= experts_bwd * (P - A) if cast_once else 0
   static = sb.params + sb.rest + sb.opt
   phases = {
       "forward": static + accumulator + expert_cast + gathered_fwd + acts.saved + acts.forward,
@@ -124,7 +131,9 @@ def make_plan(cfg, state, sizes: Mapping[str, int], *, rules_name: str, seq_len:
       ("optimizer state", sb.opt, f"{cfg.optim.optimizer}: mirrors the parameter shardings"
        + (f"; {len(sb.replicated_opt)} leaves replicated ({repl / GiB:.2f} GiB)" if repl else "")),
       ("gradients", grads, f"{dtype_note}, sharded like the parameters"
-       + (f" (routed experts' in {cfg.model.dtype} during backward)" if cast_once else "")),
+       + (f" (routed experts' in {cfg.model.dtype} during backward)" if cast_once else "")
+       + (f"; the scanned stack's ({sb.stack_params / GiB:.2f} GiB) go straight into the "
+          "accumulator during backward" if in_stack else "")),
       ("gradient accumulator", accumulator,
        f"{microbatches} micro-batches: running sum, like the gradients" if microbatches > 1
        else "none (train.microbatches = 1)"),

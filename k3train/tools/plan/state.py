@@ -86,6 +86,8 @@ class StateBytes:
   units: dict[str, int]                  # parameters per layer on one device once gathered over
                                          # fsdp / sequence / data (tensor and expert stay split)
   expert_params: int = 0                 # local parameters of the routed-expert weights
+  stack_params: int = 0                  # local bytes of the scanned stack's parameters
+  stack_expert_params: int = 0           # local routed-expert parameters inside the stack
 
 
 def _axes_of(spec) -> tuple[tuple[str, ...], ...]:
@@ -141,6 +143,7 @@ def state_bytes(layout: StateLayout, sizes: Mapping[str, int]) -> StateBytes:
   not divide a dimension."""
   totals = {"params": 0, "rest": 0, "opt": 0}
   largest, replicated, units, experts = 0, [], {}, 0
+  stack, stack_experts = 0, 0
   for leaf in layout.leaves:
     local, kept = [], 1
     for dim, (size, axes) in enumerate(zip(leaf.shape, leaf.axes)):
@@ -160,10 +163,13 @@ def state_bytes(layout: StateLayout, sizes: Mapping[str, int]) -> StateBytes:
       if leaf.unit.startswith("scanned"):
         count //= leaf.shape[0]                        # one scan iteration at a time
       units[leaf.unit] = units.get(leaf.unit, 0) + count
+      in_stack = leaf.name.startswith("stack.")
+      stack += b if in_stack else 0
       if moe.is_routed_expert_weight(tuple(leaf.name.split("."))):
         experts += math.prod(local)
+        stack_experts += math.prod(local) if in_stack else 0
   return StateBytes(totals["params"], totals["rest"], totals["opt"], largest, replicated, units,
-                    experts)
+                    experts, stack, stack_experts)
 
 
 __all__ = ["KEPT_IN_COMPUTE", "Leaf", "StateBytes", "StateLayout", "abstract_mesh", "state_bytes",
