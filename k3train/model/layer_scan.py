@@ -2,15 +2,14 @@
 
 Gradient accumulation over micro-batches (k3train/train/step.py) needs, per micro-batch,
 acc ← acc + w · ∂L/∂θ. Through `jax.lax.scan`'s own transpose the stacked layers' gradient is a
-fresh buffer: JAX fills it with zeros, the backward scan writes one layer's slice per iteration,
-and the sum with the accumulator is a further pass over every stacked parameter (at k3_h200
-12 GB of fp32 per micro-batch, read twice and written twice more than needed).
+fresh buffer (11.2 GiB of fp32 at k3_h200): JAX fills it with zeros, the backward scan writes
+one layer's slice per iteration, and a separate pass adds it to the accumulator.
 
 `accumulating_scan` runs the same forward scan, but its backward scan carries the accumulator
 itself and adds each layer's gradient, scaled by w, into that layer's slice in place: no zero
-fill, no separate gradient buffer, no extra pass. The accumulator is an input of the function and
-the result comes back as *its* cotangent (the stacked parameters get none), so the caller
-differentiates with respect to the accumulator:
+fill and no second stack-sized buffer beside the accumulator (benchmarks/train_step.md). The
+accumulator is an input of the function and the result comes back as *its* cotangent (the
+stacked parameters get none), so the caller differentiates with respect to the accumulator:
 
     grads = jax.grad(lambda acc: loss(accumulating_scan(body, c, params, xs, consts, acc, w)))(acc)
     # grads == acc + w · ∂loss/∂params   (leaf by leaf, in the accumulator's dtype)
@@ -103,11 +102,13 @@ def _fwd(body: _Body, carry, params, xs, consts, grad_acc, weight):
   return (carry_out, ys), (params, xs, consts, saved, grad_acc, weight)
 
 
-def _float_zero_like(x):
-  """A cotangent of zeros for a primal x (float0 for integer and boolean arrays)."""
-  if _is_float(x):
-    return jnp.zeros(x.shape, x.dtype)
-  return np.zeros(x.shape, jax.dtypes.float0)
+def _carry_cotangent(carry_leaves, float_slots, float_cts):
+  """The carry's cotangent leaves: `float_cts` at the float leaves, float0 zeros at the integer
+  and boolean ones (which carry no gradient)."""
+  out = [np.zeros(x.shape, jax.dtypes.float0) for x in carry_leaves]
+  for slot, ct in zip(float_slots, float_cts):
+    out[slot] = ct
+  return out
 
 
 def _add_at(acc, update, index):
@@ -139,10 +140,8 @@ def _bwd(body: _Body, residuals, cotangents):
     res = [p_i[k] if kind == _PARAM else x_i[k] if kind == _XS else
            const_leaves[k] if kind == _CONST else next(it) for kind, k in sources]
     vjp_fn = jax.tree.unflatten(res_def, res)
-    ct_full = [_float_zero_like(x) for x in carry_leaves]
-    for slot, ct in zip(float_slots, ct_float):
-      ct_full[slot] = ct
-    ct_p, ct_c = vjp_fn(jax.tree.unflatten(carry_def, ct_full))
+    ct_p, ct_c = vjp_fn(jax.tree.unflatten(carry_def,
+                                           _carry_cotangent(carry_leaves, float_slots, ct_float)))
     ct_p_leaves = jax.tree.leaves(ct_p)
     acc = [_add_at(a, weight.astype(a.dtype) * g.astype(a.dtype), index)
            for a, g in zip(acc, ct_p_leaves)]
@@ -153,11 +152,8 @@ def _bwd(body: _Body, residuals, cotangents):
   indices = jnp.arange(length, dtype=jnp.int32)
   (ct_float, acc), _ = jax.lax.scan(step, (ct_float0, acc_leaves),
                                     (indices, param_leaves, xs_leaves, saved), reverse=True)
-  ct_in = [_float_zero_like(x) for x in carry_leaves]
-  for slot, ct in zip(float_slots, ct_float):
-    ct_in[slot] = ct
-  return (jax.tree.unflatten(carry_def, ct_in), None, None, None,
-          jax.tree.unflatten(acc_def, acc), None)
+  ct_in = jax.tree.unflatten(carry_def, _carry_cotangent(carry_leaves, float_slots, ct_float))
+  return ct_in, None, None, None, jax.tree.unflatten(acc_def, acc), None
 
 
 _scan.defvjp(_fwd, _bwd)

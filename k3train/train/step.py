@@ -242,8 +242,8 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
 
   accumulate_in_stack (with a scanned stack of layers): the stack's share of that sum happens
   inside the stack's backward scan, one layer's slice at a time, into the accumulator itself
-  (k3train/model/layer_scan.py) — the same arithmetic without a zero-filled gradient buffer per
-  micro-batch and the separate pass that adds it. False: every leaf is summed after the backward.
+  (k3train/model/layer_scan.py) — the same arithmetic without a zero-filled, stack-sized gradient
+  buffer per micro-batch beside the accumulator. False: every leaf is summed after the backward.
 
   forward_params: a function params → the parameters the forward runs with (a once-per-step cast
   of the routed-expert weights, `moe.cast_expert_weights`), applied before the micro-batches;
