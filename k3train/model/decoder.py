@@ -150,7 +150,6 @@ class K3Model(nnx.Module):
                                       (params, (rest, indices)))
     else:
       acc, weight = grad_acc
-      acc = _like_tree(params, acc, "the stack's gradient accumulator")
       stream, new_rest = layer_scan.accumulating_scan(body, stream, params, (rest, indices), consts,
                                                       acc, weight)
     nnx.update(self.stack, new_rest)
@@ -223,17 +222,6 @@ class K3Model(nnx.Module):
     h = self.hidden_states(tokens_bt, segment_ids_bt, token_mask_bt, vision)
     logits = self.lm_head(self.final_norm(h))
     return constrain(logits, ax.BATCH, ax.SEQ, ax.VOCAB)
-
-
-def _like_tree(reference, tree, what: str):
-  """`tree`'s leaves in `reference`'s tree structure (same leaf order, shapes checked)."""
-  ref_leaves, ref_def = jax.tree.flatten(reference)
-  leaves = jax.tree.leaves(tree)
-  if len(leaves) != len(ref_leaves) or any(a.shape != b.shape for a, b in zip(leaves, ref_leaves)):
-    raise ValueError(f"{what} does not match the parameters: {len(leaves)} leaves "
-                     f"{[a.shape for a in leaves][:4]}… against {len(ref_leaves)} "
-                     f"{[b.shape for b in ref_leaves][:4]}…")
-  return jax.tree.unflatten(ref_def, leaves)
 
 
 log = logging.getLogger(__name__)

@@ -37,12 +37,13 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _source_of(leaf, params_i, xs_i, consts) -> tuple[str, int]:
-  for kind, group in ((_PARAM, params_i), (_XS, xs_i), (_CONST, consts)):
-    for k, x in enumerate(group):
-      if leaf is x:
-        return kind, k
-  return _SAVED, -1
+def _sources(residuals, params_i, xs_i, consts) -> list[tuple[str, int]]:
+  """(kind, index) of each residual: the iteration's own parameter, xs or const array (the
+  same traced object), or a value to save."""
+  known = {}
+  for kind, group in ((_CONST, consts), (_XS, xs_i), (_PARAM, params_i)):
+    known.update({id(x): (kind, k) for k, x in enumerate(group)})
+  return [known.get(id(r), (_SAVED, -1)) for r in residuals]
 
 
 class _Body:
@@ -64,6 +65,9 @@ def accumulating_scan(body: Callable, carry: Any, params: Any, xs: Any, consts: 
   `xs`, `consts` and `weight` get none, and `ys` (statistics the layers write) pass no gradient.
   Wrap `body` in `jax.checkpoint` for rematerialisation, as for a plain scan.
   """
+  if jax.tree.structure(grad_acc) != jax.tree.structure(params):
+    raise ValueError(f"grad_acc must have the structure of params: {jax.tree.structure(grad_acc)} "
+                     f"vs {jax.tree.structure(params)}")
   return _scan(_Body(body), carry, params, xs, consts, grad_acc, weight)
 
 
@@ -91,7 +95,7 @@ def _fwd(body: _Body, carry, params, xs, consts, grad_acc, weight):
     layer = lambda p, cc: body.fn(cc, p, jax.tree.unflatten(xs_def, x_leaves), consts)
     c_out, vjp_fn, ys = jax.vjp(layer, p_i, c, has_aux=True)
     res_leaves, res_def = jax.tree.flatten(vjp_fn)
-    sources = [_source_of(r, p_leaves, x_leaves, const_leaves) for r in res_leaves]
+    sources = _sources(res_leaves, p_leaves, x_leaves, const_leaves)
     layout["treedef"], layout["sources"] = res_def, sources
     saved = [r for r, (kind, _) in zip(res_leaves, sources) if kind == _SAVED]
     return c_out, (ys, saved)
@@ -122,15 +126,13 @@ def _bwd(body: _Body, residuals, cotangents):
   params, xs, consts, saved, grad_acc, weight = residuals
   res_def, sources, carry = body.layout["treedef"], body.layout["sources"], body.layout["carry"]
   ct_carry, _ = cotangents                   # the ys are statistics: no gradient flows through them
-  param_leaves, param_def = jax.tree.flatten(params)
+  param_leaves = jax.tree.leaves(params)
   xs_leaves = jax.tree.leaves(xs)
   const_leaves = jax.tree.leaves(consts)
   carry_leaves, carry_def = jax.tree.flatten(carry)
   float_slots = [i for i, x in enumerate(carry_leaves) if _is_float(x)]
   ct_leaves = jax.tree.leaves(ct_carry)
   acc_leaves, acc_def = jax.tree.flatten(grad_acc)
-  if acc_def != param_def:
-    raise ValueError(f"grad_acc must have the structure of params: {acc_def} vs {param_def}")
   length = param_leaves[0].shape[0] if param_leaves else jax.tree.leaves(xs)[0].shape[0]
 
   def step(state, inputs):
