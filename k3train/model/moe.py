@@ -56,7 +56,8 @@ from flax import nnx
 
 from k3train.parallel import axes as ax
 from k3train.model import remat
-from k3train.model.layers import GluMLP, Linear, RMSNorm, normal_init, param, situ_glu
+from k3train.model.layers import (GluMLP, Linear, RMSNorm, fp32_weight_matmul, normal_init, param,
+                                  situ_glu)
 from k3train.parallel import expert as expert_parallel
 from k3train.quant import mx
 from pallas_kernels import moe as moe_ops
@@ -134,7 +135,11 @@ class Router(nnx.Module):
     self.bias = _expert_vector(RouterBias, num_experts)
 
   def scores(self, x_td: jax.Array) -> jax.Array:
-    """scores_te = σ(x W_r) in fp32 (full-precision matmul: routing decisions are sensitive)."""
+    """scores_te = σ(x W_r) in fp32 (full-precision matmul: routing decisions are sensitive).
+    A bf16 x runs as three exact bf16 GEMMs (`fp32_weight_matmul`), other dtypes as one fp32
+    matmul at full precision."""
+    if x_td.dtype == jnp.bfloat16:
+      return jax.nn.sigmoid(fp32_weight_matmul(x_td, self.weight.get_value()))
     logits_te = jax.lax.dot_general(
         x_td.astype(jnp.float32), self.weight.get_value().astype(jnp.float32),
         (((x_td.ndim - 1,), (0,)), ((), ())),
