@@ -17,7 +17,10 @@ stacked parameters get none), so the caller differentiates with respect to the a
 The forward keeps exactly what a plain scan of `body` keeps: each iteration's `jax.vjp` residuals
 (under a `jax.checkpoint` policy, what the policy saves plus the iteration's inputs), stacked
 over the iterations. Residuals that are the iteration's own parameter, `xs` or `consts` arrays
-are not stacked (they would be copies); the backward slices them again.
+are not stacked (they would be copies); the backward slices them again. The forward loop is
+written out (one iteration traced to a jaxpr, then a `fori_loop`) so that its stacked buffers
+start from distinct unread fills rather than `jax.lax.scan`'s zeros, which XLA merges into one
+buffer and then copies once per stacked output.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -85,25 +89,68 @@ def _fwd(body: _Body, carry, params, xs, consts, grad_acc, weight):
   param_leaves, param_def = jax.tree.flatten(params)
   xs_leaves, xs_def = jax.tree.flatten(xs)
   const_leaves = jax.tree.leaves(consts)
-  layout = body.layout                       # filled while the scan body is traced (once)
+  carry_leaves, carry_def = jax.tree.flatten(carry)
+  layout = body.layout                       # filled while the iteration is traced (once)
 
-  def step(c, inputs):
-    p_leaves, x_leaves = inputs
+  def step(c_leaves, p_leaves, x_leaves):
     p_i = jax.tree.unflatten(param_def, p_leaves)
     # xs rebuilt inside the differentiated function: containers holding state (flax nnx
     # Variables) must be created at the trace level that may write them.
     layer = lambda p, cc: body.fn(cc, p, jax.tree.unflatten(xs_def, x_leaves), consts)
-    c_out, vjp_fn, ys = jax.vjp(layer, p_i, c, has_aux=True)
+    c_out, vjp_fn, ys = jax.vjp(layer, p_i, jax.tree.unflatten(carry_def, c_leaves), has_aux=True)
     res_leaves, res_def = jax.tree.flatten(vjp_fn)
     sources = _sources(res_leaves, p_leaves, x_leaves, const_leaves)
     layout["treedef"], layout["sources"] = res_def, sources
+    ys_leaves, layout["ys_def"] = jax.tree.flatten(ys)
     saved = [r for r, (kind, _) in zip(res_leaves, sources) if kind == _SAVED]
-    return c_out, (ys, saved)
+    return jax.tree.leaves(c_out), ys_leaves, saved
 
-  carry_out, (ys, saved) = jax.lax.scan(step, carry, (param_leaves, xs_leaves))
+  # One iteration traced to a jaxpr: its outputs' shapes size the stacked buffers, and the
+  # loop below evaluates the jaxpr instead of tracing the layers a second time.
+  length = _length(param_leaves, xs_leaves)
+  one = jax.make_jaxpr(step)(carry_leaves, [p[0] for p in param_leaves],
+                             [x[0] for x in xs_leaves])
+  run_one = jax.extend.core.jaxpr_as_fun(one)
+  n_carry = len(carry_leaves)
+  stacked_avals = one.out_avals[n_carry:]
+
+  def loop(i, state):
+    c_leaves, stacks = state
+    outs = run_one(*c_leaves, *[jax.lax.dynamic_index_in_dim(p, i, keepdims=False)
+                                for p in param_leaves],
+                   *[jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs_leaves])
+    stacks = [jax.lax.dynamic_update_index_in_dim(b, v, i, 0)
+              for b, v in zip(stacks, outs[n_carry:])]
+    return list(outs[:n_carry]), stacks
+
+  carry_out, stacks = jax.lax.fori_loop(0, length, loop,
+                                        (carry_leaves, _unread_buffers(stacked_avals, length)))
+  n_ys = layout["ys_def"].num_leaves
+  ys = jax.tree.unflatten(layout["ys_def"], stacks[:n_ys])
+  saved = stacks[n_ys:]
   layout["carry"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
                                  carry)   # the carry's structure and types, not its values
-  return (carry_out, ys), (params, xs, consts, saved, grad_acc, weight)
+  return (jax.tree.unflatten(carry_def, carry_out), ys), (params, xs, consts, saved, grad_acc,
+                                                          weight)
+
+
+def _length(param_leaves, xs_leaves) -> int:
+  return (param_leaves or xs_leaves)[0].shape[0]
+
+
+def _unread_buffers(avals, length: int) -> list[jax.Array]:
+  """[length, *shape] buffers for the loop to fill, one per aval; their initial values are never
+  read. Buffers of one shape and dtype get different fill values: XLA merges equal broadcasts
+  into one, and each in-place loop buffer then needs its own copy of it (the copies cost three
+  times the fills at k3_h200, and `jax.lax.scan` fills every stacked output with zeros)."""
+  seen: dict = {}
+  out = []
+  for a in avals:
+    key = (tuple(a.shape), jnp.dtype(a.dtype))
+    k = seen[key] = seen.get(key, -1) + 1
+    fill = (k % 2 == 1) if a.dtype == jnp.bool_ else k
+    out.append(jnp.full((length, *a.shape), fill, a.dtype))
+  return out
 
 
 def _carry_cotangent(carry_leaves, float_slots, float_cts):
@@ -133,7 +180,7 @@ def _bwd(body: _Body, residuals, cotangents):
   float_slots = [i for i, x in enumerate(carry_leaves) if _is_float(x)]
   ct_leaves = jax.tree.leaves(ct_carry)
   acc_leaves, acc_def = jax.tree.flatten(grad_acc)
-  length = param_leaves[0].shape[0] if param_leaves else jax.tree.leaves(xs)[0].shape[0]
+  length = _length(param_leaves, xs_leaves)
 
   def step(state, inputs):
     ct_float, acc = state

@@ -3,6 +3,7 @@ accumulator (k3train/model/layer_scan.py), and the train step's accumulation thr
 the accumulation after the backward pass."""
 
 import collections
+import re
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,22 @@ def test_parameters_xs_and_consts_are_not_stacked_as_residuals():
   saved = residuals[3]
   # What is stacked: the saved name h [4, 8] and the iteration's input carry s [4, 8].
   assert sorted(x.shape for x in saved) == [(L, 4, 8), (L, 4, 8)]
+
+
+def test_stacked_buffers_are_not_copies_of_one_shared_fill():
+  """The forward's stacked residual buffers of one shape start from different fills, so the
+  compiled program does not copy one shared zero buffer into each of them (it does for
+  `jax.lax.scan`'s zero-filled outputs); the saved h and the input carry s are both [L, 4, 8]."""
+  params, xs, s0, consts, acc = _inputs(jnp.float32)
+  body = jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("h"))
+  loss = lambda a, s: jnp.sum(layer_scan.accumulating_scan(body, (s, jnp.int32(0)), params, xs,
+                                                           consts, a, jnp.float32(1))[0][0] ** 2)
+  hlo = jax.jit(jax.grad(loss)).lower(acc, s0).compile().as_text()
+  assert re.search(rf"= f32\[{L},4,8\]\S* copy\(", hlo) is None
+  fills = layer_scan._unread_buffers([jax.ShapeDtypeStruct((4, 8), jnp.float32)] * 3
+                                     + [jax.ShapeDtypeStruct((2,), jnp.bool_)] * 2, L)
+  assert [f.shape for f in fills] == [(L, 4, 8)] * 3 + [(L, 2)] * 2
+  assert len({float(f[0, 0, 0]) for f in fills[:3]}) == 3 and bool(fills[3][0, 0]) != bool(fills[4][0, 0])
 
 
 def test_accumulator_must_match_the_parameters():
