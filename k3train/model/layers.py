@@ -92,6 +92,17 @@ def _bf16_pieces(a: jax.Array, n: int) -> jax.Array:
   return jnp.stack(pieces)
 
 
+def _exact_dot(a: jax.Array, b: jax.Array, dims, out_dtype) -> jax.Array:
+  """dot_general of bf16 operands accumulated in fp32, written in out_dtype. XLA:CPU runs some
+  bf16 × bf16 → fp32 dots only on fp32 operands; bf16 values are exact in fp32, so converting
+  them there changes no product."""
+  if jax.default_backend() == "cpu":
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32).astype(out_dtype)
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+
+
 @jax.custom_vjp
 def fp32_weight_matmul(x_td: jax.Array, w_de: jax.Array) -> jax.Array:
   """x [..., d] (bf16) · w [d, e] (fp32) → fp32 [..., e], as exact as an fp32 matmul, on bf16
@@ -111,8 +122,7 @@ def _fp32_weight_fwd(x_td, w_de):
   if x_td.dtype != jnp.bfloat16:
     raise ValueError(f"fp32_weight_matmul needs a bfloat16 input, got {x_td.dtype}")
   w_pde = _bf16_pieces(w_de, 3)
-  y_tpe = jax.lax.dot_general(x_td, w_pde, (((x_td.ndim - 1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)
+  y_tpe = _exact_dot(x_td, w_pde, (((x_td.ndim - 1,), (1,)), ((), ())), jnp.float32)
   return jnp.sum(y_tpe, axis=-2), (x_td, w_de)
 
 
@@ -120,16 +130,14 @@ def _fp32_weight_bwd(residuals, g_te):
   x_td, w_de = residuals
   batch = tuple(range(x_td.ndim - 1))
   g_pte = _bf16_pieces(g_te, 3)
-  dw_dpe = jax.lax.dot_general(x_td, g_pte, ((batch, tuple(b + 1 for b in batch)), ((), ())),
-                               preferred_element_type=jnp.float32)
+  dw_dpe = _exact_dot(x_td, g_pte, ((batch, tuple(b + 1 for b in batch)), ((), ())), jnp.float32)
   dw_de = jnp.sum(dw_dpe, axis=-2).astype(w_de.dtype)
   w_hi, w_lo = _bf16_pieces(w_de, 2)
   g_hi, g_lo = _bf16_pieces(g_te, 2)
   g_qte = jnp.stack([g_hi, g_hi, g_lo])                     # hi·hi + hi·lo + lo·hi
   w_qde = jnp.stack([w_hi, w_lo, w_hi])
   n = x_td.ndim
-  dx_td = jax.lax.dot_general(g_qte, w_qde, (((0, n), (0, 2)), ((), ())),
-                              preferred_element_type=x_td.dtype)   # fp32 accumulation, one rounding
+  dx_td = _exact_dot(g_qte, w_qde, (((0, n), (0, 2)), ((), ())), x_td.dtype)  # one rounding
   return dx_td, dw_de
 
 

@@ -10,11 +10,11 @@ from k3train.model import layers
 from k3train.model.moe import Router
 
 
-def _inputs(t=96, d=256, e=24):
+def _inputs(t=96, d=256, e=24, batch=(2,)):
   k = jax.random.split(jax.random.key(1), 3)
-  x = jax.random.normal(k[0], (2, t, d), jnp.float32).astype(jnp.bfloat16)
+  x = jax.random.normal(k[0], (*batch, t, d), jnp.float32).astype(jnp.bfloat16)
   w = 0.05 * jax.random.normal(k[1], (d, e), jnp.float32)
-  g = jax.random.normal(k[2], (2, t, e), jnp.float32)
+  g = jax.random.normal(k[2], (*batch, t, e), jnp.float32)
   return x, w, g
 
 
@@ -26,20 +26,22 @@ def test_pieces_sum_to_the_fp32_value_exactly():
   np.testing.assert_array_equal(np.asarray(total), np.asarray(a))
 
 
-def test_forward_and_gradients_match_float64():
+@pytest.mark.parametrize("batch", [(2,), ()])
+def test_forward_and_gradients_match_float64(batch):
   """Forward and ∂w: exact products, fp32 accumulation (relative ~1e-6 of Σ|x||w|). ∂x: within
   the bf16 rounding of its result (2⁻⁸ relative)."""
-  x, w, g = _inputs()
-  y, vjp = jax.vjp(layers.fp32_weight_matmul, x, w)
+  x, w, g = _inputs(batch=batch)
+  y, vjp = jax.jit(lambda x, w: jax.vjp(layers.fp32_weight_matmul, x, w))(x, w)
   dx, dw = vjp(g)
   assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
   x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
   np.testing.assert_allclose(np.asarray(y), x64 @ w64,
                              atol=2e-6 * float(np.max(np.abs(x64) @ np.abs(w64))), rtol=0)
-  dw_ref = np.einsum("btd,bte->de", x64, g64)
+  flat = lambda a: a.reshape(-1, a.shape[-1])
+  dw_ref = flat(x64).T @ flat(g64)
   np.testing.assert_allclose(np.asarray(dw), dw_ref,
-                             atol=2e-6 * float(np.max(np.einsum("btd,bte->de", np.abs(x64),
-                                                                np.abs(g64)))), rtol=0)
+                             atol=2e-6 * float(np.max(np.abs(flat(x64)).T @ np.abs(flat(g64)))),
+                             rtol=0)
   dx_ref = g64 @ w64.T
   np.testing.assert_allclose(np.asarray(dx, np.float64), dx_ref,
                              atol=2**-8 * float(np.max(np.abs(dx_ref))), rtol=0)
@@ -62,7 +64,10 @@ def test_agrees_with_the_full_precision_fp32_matmul():
                              atol=2**-8 * float(jnp.max(jnp.abs(dx_ref))))
 
 
-def test_only_bf16_matmuls_in_forward_and_backward():
+def test_only_bf16_matmuls_in_forward_and_backward(monkeypatch):
+  """Three dots with bf16 operands, as lowered for GPUs and TPUs (XLA:CPU gets fp32 copies of
+  the same bf16 values)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   x, w, g = _inputs(t=8, d=32, e=8)
   f = lambda x, w: jnp.sum(layers.fp32_weight_matmul(x, w) * g)
   hlo = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, w).as_text()
