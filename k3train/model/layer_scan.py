@@ -18,14 +18,14 @@ The forward keeps exactly what a plain scan of `body` keeps: each iteration's `j
 (under a `jax.checkpoint` policy, what the policy saves plus the iteration's inputs), stacked
 over the iterations. Residuals that are the iteration's own parameter, `xs` or `consts` arrays
 are not stacked (they would be copies); the backward slices them again. The forward loop is
-written out (one iteration traced to a jaxpr, then a `fori_loop`) so that its stacked buffers
-start from distinct unread fills rather than `jax.lax.scan`'s zeros, which XLA merges into one
-buffer and then copies once per stacked output.
+written out (one iteration traced to a jaxpr, then a `fori_loop`) so that on a GPU its stacked
+buffers are allocated unwritten (`_unread_buffers`) rather than zero-filled and copied.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable
 
 import jax
@@ -140,17 +140,31 @@ def _length(param_leaves, xs_leaves) -> int:
 
 def _unread_buffers(avals, length: int) -> list[jax.Array]:
   """[length, *shape] buffers for the loop to fill, one per aval; their initial values are never
-  read. Buffers of one shape and dtype get different fill values: XLA merges equal broadcasts
-  into one, and each in-place loop buffer then needs its own copy of it (the copies cost three
-  times the fills at k3_h200, and `jax.lax.scan` fills every stacked output with zeros)."""
-  seen: dict = {}
-  out = []
-  for a in avals:
-    key = (tuple(a.shape), jnp.dtype(a.dtype))
-    k = seen[key] = seen.get(key, -1) + 1
-    fill = (k % 2 == 1) if a.dtype == jnp.bool_ else k
-    out.append(jnp.full((length, *a.shape), fill, a.dtype))
-  return out
+  read.
+
+  On a single GPU they are left unwritten (XLA's `AllocateBuffer`). `jax.lax.scan` zero-fills
+  its stacked outputs instead; XLA merges equal fills into one buffer and copies it once per
+  output, and XLA's fill kernels write bf16 at a fifth of the memory bandwidth: the fills and
+  copies took ~25 ms of a k3_h200 step (benchmarks/train_step.md). Each allocation carries its
+  own tag, so that XLA does not merge them into one buffer to copy. Elsewhere (CPU, TPU, or
+  more than one device, where the partitioner would give an unknown custom call the global
+  shape) the buffers are zeros, as in `jax.lax.scan`.
+  """
+  shapes = [jax.ShapeDtypeStruct((length, *a.shape), a.dtype) for a in avals]
+  if jax.default_backend() == "gpu" and jax.device_count() == 1:
+    return [_allocate(shape) for shape in shapes]
+  return [jnp.zeros(shape.shape, shape.dtype) for shape in shapes]
+
+
+_allocation_tags = itertools.count()
+
+
+def _allocate(shape: jax.ShapeDtypeStruct) -> jax.Array:
+  """An unwritten buffer (XLA:GPU's `AllocateBuffer`, as `jax.lax.empty` lowers there), tagged so
+  that no two allocations are merged."""
+  call = jax.ffi.ffi_call("AllocateBuffer", shape, custom_call_api_version=1,
+                          legacy_backend_config=f"k3train_stack_{next(_allocation_tags)}")
+  return call()
 
 
 def _carry_cotangent(carry_leaves, float_slots, float_cts):

@@ -80,20 +80,24 @@ def test_parameters_xs_and_consts_are_not_stacked_as_residuals():
   assert sorted(x.shape for x in saved) == [(L, 4, 8), (L, 4, 8)]
 
 
-def test_stacked_buffers_are_not_copies_of_one_shared_fill():
-  """The forward's stacked residual buffers of one shape start from different fills, so the
-  compiled program does not copy one shared zero buffer into each of them (it does for
-  `jax.lax.scan`'s zero-filled outputs); the saved h and the input carry s are both [L, 4, 8]."""
+def test_stacked_buffers_on_one_gpu_are_unwritten_allocations_each_its_own(monkeypatch):
+  """Lowered for one GPU, each stacked buffer of the forward loop (the saved h and the input
+  carry s, both [L, 4, 8]; the ys statistic is unused here) is its own `AllocateBuffer`
+  (distinct tags, so XLA cannot merge them into one buffer to copy)."""
   params, xs, s0, consts, acc = _inputs(jnp.float32)
   body = jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("h"))
   loss = lambda a, s: jnp.sum(layer_scan.accumulating_scan(body, (s, jnp.int32(0)), params, xs,
                                                            consts, a, jnp.float32(1))[0][0] ** 2)
-  hlo = jax.jit(jax.grad(loss)).lower(acc, s0).compile().as_text()
-  assert re.search(rf"= f32\[{L},4,8\]\S* copy\(", hlo) is None
-  fills = layer_scan._unread_buffers([jax.ShapeDtypeStruct((4, 8), jnp.float32)] * 3
-                                     + [jax.ShapeDtypeStruct((2,), jnp.bool_)] * 2, L)
-  assert [f.shape for f in fills] == [(L, 4, 8)] * 3 + [(L, 2)] * 2
-  assert len({float(f[0, 0, 0]) for f in fills[:3]}) == 3 and bool(fills[3][0, 0]) != bool(fills[4][0, 0])
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+  text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(acc, s0).mlir_module()
+  allocations = [line for line in text.splitlines() if "@AllocateBuffer" in line]
+  tags = {re.search(r'backend_config = "([^"]+)"', line).group(1) for line in allocations}
+  assert len(allocations) == len(tags) == 2, allocations
+  assert all(f"tensor<{L}x4x8xf32>" in line for line in allocations)
+  monkeypatch.undo()
+  zeros = layer_scan._unread_buffers([jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)], L)
+  assert zeros[0].shape == (L, 4, 8) and not bool(jnp.any(zeros[0]))       # CPU: zeros
 
 
 def test_accumulator_must_match_the_parameters():
