@@ -189,7 +189,7 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
     return jnp.zeros_like(bias_e)
   real_t = token_mask_t.reshape(scores_te.shape[0]).astype(bool)
 
-  cutoff_t = kth_largest_per_row(scores_te + bias_e, top_k)
+  cutoff_t = jax.lax.top_k(scores_te + bias_e, top_k + 1)[0][:, top_k]
   margin_te = jnp.where(real_t[:, None], scores_te - cutoff_t[:, None], -jnp.inf)  # padding last
 
   m_real = jnp.sum(real_t, dtype=jnp.int32)
@@ -263,21 +263,6 @@ def kth_largest_per_column(x_te: jax.Array, k: jax.Array, *, unroll: int | bool 
   ans_e = jax.lax.fori_loop(0, rounds, one_digit, jnp.zeros((x_te.shape[1],), jnp.uint32),
                             unroll=unroll)
   return _from_ordered_uint32(ans_e)
-
-
-def kth_largest_per_row(x_te: jax.Array, k: int) -> jax.Array:
-  """[T]: the (k+1)-th largest value of each row of x_te [T, E] (static 0 ≤ k < E), equal to
-  `jax.lax.top_k(x_te, k + 1)[0][:, k]` bit for bit.
-
-  Up to 128 columns it is found by counting: the answer is the smallest x_te[t, j] with at most
-  k entries of its row strictly above it, one fused pass of T·E² compares. XLA's top-k sorts
-  each row instead (on an H200, ~45 µs per call at [16384, 64], 200 calls per k3_h200 step);
-  past 128 columns the E² compares cost more than the sort, which is used there.
-  """
-  if x_te.shape[-1] > 128:
-    return jax.lax.top_k(x_te, k + 1)[0][..., k]
-  above_te = jnp.sum(x_te[..., None, :] > x_te[..., :, None], axis=-1, dtype=jnp.int32)
-  return jnp.min(jnp.where(above_te <= k, x_te, jnp.inf), axis=-1)
 
 
 def count_expert_load(idx_tk: jax.Array, token_mask_t: jax.Array, num_experts: int) -> jax.Array:

@@ -457,22 +457,6 @@ def test_kth_largest_per_column_equals_a_sort(unroll, digit_bits):
     np.testing.assert_array_equal(got.view(np.uint32), one_bit.view(np.uint32))   # ±0 too
 
 
-@pytest.mark.parametrize("num_columns", [8, 64, 200])
-def test_kth_largest_per_row_equals_top_k(num_columns):
-  """Counting (≤ 128 columns) and the sort (more) give top_k's (k+1)-th value bit for bit, with
-  ties (values on a coarse grid) and infinities in the rows."""
-  rng = np.random.default_rng(num_columns)
-  x = np.round(rng.normal(size=(300, num_columns)) * 4) / 4          # many ties
-  x[0, :3] = np.inf
-  x[1, :] = -np.inf
-  x[2, 1] = -np.inf
-  x = jnp.asarray(x, jnp.float32)
-  for k in sorted({0, 1, 5, num_columns // 2, num_columns - 1}):
-    want = jax.lax.top_k(x, k + 1)[0][:, k]
-    np.testing.assert_array_equal(np.asarray(jax.jit(moe_lib.kth_largest_per_row, static_argnums=1)(x, k)),
-                                  np.asarray(want), err_msg=f"k={k}")
-
-
 def test_kth_largest_per_column_rejects_digit_widths_that_do_not_divide_32():
   from k3train.model.moe import kth_largest_per_column
   with pytest.raises(ValueError, match="digit_bits must be 1, 2, 4 or 8"):
