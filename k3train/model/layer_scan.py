@@ -144,8 +144,8 @@ def _unread_buffers(avals, length: int) -> list[jax.Array]:
 
   On a single GPU they are left unwritten (XLA's `AllocateBuffer`). `jax.lax.scan` zero-fills
   its stacked outputs instead; XLA merges equal fills into one buffer and copies it once per
-  output, and XLA's fill kernels write bf16 at a fifth of the memory bandwidth: the fills and
-  copies took ~25 ms of a k3_h200 step (benchmarks/train_step.md). Each allocation carries its
+  output, and XLA's fill kernels write bf16 at a fifth of the memory bandwidth: leaving them
+  unwritten took 22 ms off a k3_h200 step (benchmarks/train_step.md). Each allocation carries its
   own tag, so that XLA does not merge them into one buffer to copy. Elsewhere (CPU, TPU, or
   more than one device, where the partitioner would give an unknown custom call the global
   shape) the buffers are zeros, as in `jax.lax.scan`.
