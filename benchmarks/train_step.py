@@ -24,6 +24,10 @@ assigned to a model part by the `jax.named_scope` names in its HLO op_name (`PAR
 routed-expert matmuls, dispatch / combine, router, QB statistics, the MoE's latent down / up
 projections and shared experts, the dense FFN, AttnRes, norms, head and loss, optimizer with the
 finite check); a fusion without metadata takes that of the first located instruction it fuses.
+The profile also reports when the device ran nothing (`idle_ms_per_step` beside
+`busy_ms_per_step`, between the first op traced and the last): each gap is charged to the part
+of the op that ends it (`idle_by_part_ms_per_step`, `longest_gaps`), which separates launch
+latency and host waits from slow kernels.
 Ops in none of the scopes (embedding, elementwise glue, buffer initialisation, the step's
 bookkeeping) are "other". `--variants='name:key=value,key=value;…'` runs the same measurement for
 config variants in the same process (one JSON line each), so a baseline and a change are timed on
@@ -344,13 +348,15 @@ def _jax_event_seconds() -> dict[str, float]:
   return dict(_JAX_EVENTS)
 
 
-def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str]]:
-  """{HLO op name: total device seconds} from the newest xplane trace, and the line names seen."""
+def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str], list[tuple]]:
+  """{HLO op name: total device seconds} from the newest xplane trace, the line names seen, and
+  every device op as (start ns, end ns, op name), for the idle accounting (`idle_profile`)."""
   data = _newest_trace(trace_dir)
   if data is None:
-    return {}, []
+    return {}, [], []
   times: dict[str, float] = collections.defaultdict(float)
   lines_seen = []
+  intervals = []
   for plane in data.planes:
     if not plane.name.startswith("/device:"):
       continue
@@ -362,9 +368,43 @@ def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str]]:
     for line in ops or [l for l in lines if l.name.startswith("Stream") and "Compute" in l.name]:
       for event in line.events:
         stats = dict(_stats(event))
-        op = stats.get("hlo_op") or event.name
-        times[str(op)] += event.duration_ns * 1e-9
-  return dict(times), lines_seen
+        op = str(stats.get("hlo_op") or event.name)
+        times[op] += event.duration_ns * 1e-9
+        intervals.append((float(event.start_ns), float(event.start_ns + event.duration_ns), op))
+  return dict(times), lines_seen, intervals
+
+
+def idle_profile(intervals, part_of, steps: int, top: int = 8) -> dict:
+  """When the device ran no op, between the first op traced and the last.
+
+  intervals: (start ns, end ns, op) of every device op (overlapping ops on several streams count
+  once); part_of(op) -> its part. Each gap is charged to the part of the op that ends it (the op
+  the device waited for: launch latency, a host sync, the next step's dispatch). Returns the
+  busy and idle milliseconds per step, idle by part, and the longest gaps."""
+  if not intervals:
+    return {}
+  spans = sorted(intervals)
+  busy_ns = idle_ns = 0.0
+  by_part: dict[str, float] = collections.defaultdict(float)
+  gaps = []
+  start, end = spans[0][0], spans[0][1]
+  for s, e, op in spans[1:]:
+    if s > end:
+      busy_ns += end - start
+      idle_ns += s - end
+      by_part[part_of(op)] += s - end
+      gaps.append((s - end, op))
+      start, end = s, e
+    else:
+      end = max(end, e)
+  busy_ns += end - start
+  per_step = lambda ns: round(ns * 1e-6 / steps, 2)
+  return {"busy_ms_per_step": per_step(busy_ns), "idle_ms_per_step": per_step(idle_ns),
+          "gaps_per_step": round(len(gaps) / steps, 1),
+          "idle_by_part_ms_per_step": {k: per_step(v) for k, v in
+                                       sorted(by_part.items(), key=lambda kv: -kv[1])},
+          "longest_gaps": [{"ms": round(ns * 1e-6, 3), "before": op, "part": part_of(op)}
+                           for ns, op in sorted(gaps, reverse=True)[:top]]}
 
 
 def _stats(event):
@@ -378,7 +418,7 @@ def part_profile(trace_dir: str, hlo_text: str, steps: int, dump_prefix: str = "
   """Per-part device milliseconds per step, and the fifteen most expensive ops. With dump_prefix,
   every op also goes to <dump_prefix>_ops.json and the compiled HLO to <dump_prefix>_hlo.txt.gz
   (`dump_ops`)."""
-  times, lines_seen = device_op_times(trace_dir)
+  times, lines_seen, intervals = device_op_times(trace_dir)
   if not times:
     return {"error": "no device ops in the trace", "lines": lines_seen[:20]}
   where = op_locations(hlo_text)
@@ -391,7 +431,8 @@ def part_profile(trace_dir: str, hlo_text: str, steps: int, dump_prefix: str = "
          "parts_ms_per_step": {k: round(1e3 * v / steps, 2)
                                for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
          "top_ops": [{"op": op, "ms_per_step": round(1e3 * s / steps, 2),
-                      "where": where.get(op, "")[-120:]} for op, s in top]}
+                      "where": where.get(op, "")[-120:]} for op, s in top],
+         **idle_profile(intervals, lambda op: classify(where.get(op, "")), steps)}
   if dump_prefix:
     try:
       dump_ops(dump_prefix, times, where, hlo_text, steps)

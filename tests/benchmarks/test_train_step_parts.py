@@ -151,3 +151,18 @@ def test_python_profile_lists_the_profiled_functions_longest_first():
     seconds = [s for s, _, _ in summary[key]]
     assert seconds == sorted(seconds, reverse=True)
   assert [n for _, n, w in summary["cumulative"] if w.endswith("(lower_something)")] == [1]
+
+
+def test_idle_profile_charges_each_gap_to_the_op_that_ends_it():
+  # Two streams overlap on [10, 30); gaps: 30 → 40 (before "b"), 45 → 100 (before "c").
+  intervals = [(0.0, 20e6, "a1"), (10e6, 30e6, "a2"), (40e6, 45e6, "b"), (100e6, 110e6, "c")]
+  parts = {"a1": "kda", "a2": "mla", "b": "optimizer", "c": "other"}
+  train_step = _script()
+  out = train_step.idle_profile(intervals, parts.__getitem__, steps=2)
+  assert out["busy_ms_per_step"] == (30 + 5 + 10) / 2
+  assert out["idle_ms_per_step"] == (10 + 55) / 2
+  assert out["gaps_per_step"] == 1.0
+  assert out["idle_by_part_ms_per_step"] == {"other": 27.5, "optimizer": 5.0}
+  assert [g["before"] for g in out["longest_gaps"]] == ["c", "b"]
+  assert out["longest_gaps"][0]["ms"] == 55.0
+  assert train_step.idle_profile([], parts.__getitem__, steps=1) == {}
