@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3train.parallel import attnres as parallel_attnres
@@ -65,9 +66,17 @@ def maybe_start_block(stream, layer_index: jax.Array, block_size: int):
   """At a block start (layer_index % block_size == 0) close the running sum into the block list.
 
   Touches one slot of the buffer (an in-place update inside a scan), not the whole buffer, and so
-  does its backward (`_close_block`'s VJP).
+  does its backward (`_close_block`'s VJP). A layer index known when tracing (a Python int: the
+  unscanned layers) decides statically: a layer that starts no block leaves the stream as it
+  is, so the buffer is neither written nor, where an earlier version of it is still needed
+  (a rematerialised layer's saved input), copied first.
   """
   blocks, num_blocks, p = stream
+  if isinstance(layer_index, (int, np.integer)):
+    if layer_index % block_size:
+      return stream
+    blocks, p = _close_block(blocks, num_blocks, p, jnp.bool_(True))
+    return blocks, num_blocks + 1, p
   start = (layer_index % block_size) == 0
   blocks, p = _close_block(blocks, num_blocks, p, start)
   return blocks, num_blocks + start.astype(jnp.int32), p

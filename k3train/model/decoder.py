@@ -156,9 +156,10 @@ class K3Model(nnx.Module):
     return stream
 
   def _run_layer(self, layer, stream, index: int, segment_ids_bt, token_mask_bt):
-    """One unscanned layer, rematerialised under the same policy as the scanned stack."""
+    """One unscanned layer, rematerialised under the same policy as the scanned stack. Its index
+    stays a Python int, so whether it starts an AttnRes block is decided when tracing."""
     def call(layer, stream, segment_ids_bt, token_mask_bt):
-      return layer(stream, jnp.int32(index), segment_ids_bt, token_mask_bt)
+      return layer(stream, index, segment_ids_bt, token_mask_bt)
     return self._remat(layer, call, stream, segment_ids_bt, token_mask_bt)
 
   def _remat(self, module, fn, *args):

@@ -347,3 +347,35 @@ def test_closing_a_block_backward_equals_autodiff_of_the_update(num_blocks, laye
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   count = attnres.maybe_start_block((blocks, jnp.int32(num_blocks), p), jnp.int32(layer_index), 12)[1]
   assert int(count) == num_blocks + (layer_index % 12 == 0)
+
+
+@pytest.mark.parametrize("num_blocks,layer_index", [(0, 0), (0, 5), (2, 12), (2, 13)])
+def test_a_static_layer_index_closes_blocks_as_a_traced_one(num_blocks, layer_index):
+  """A Python-int layer index (the unscanned layers) gives the traced index's stream and
+  gradients; a layer that starts no block returns the stream's arrays themselves and traces no
+  update of the buffer."""
+  rng = np.random.default_rng(7 + layer_index)
+  blocks = jnp.asarray(rng.standard_normal((4, B, T, D)), jnp.float32)
+  p = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((4, B, T, D)), jnp.float32)
+
+  def run(index):
+    def loss(blocks, p):
+      out = attnres.maybe_start_block((blocks, jnp.int32(num_blocks), p), index, 12)
+      return jnp.sum(out[0] * ct) + jnp.sum(out[2] * p * 0.5), out
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(blocks, p)
+
+  (l_static, out_static), g_static = run(layer_index)
+  (l_traced, out_traced), g_traced = run(jnp.int32(layer_index))
+  for got, want in zip(jax.tree.leaves((l_static, out_static, g_static)),
+                       jax.tree.leaves((l_traced, out_traced, g_traced))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  stream = (blocks, jnp.int32(num_blocks), p)
+  jaxpr = jax.make_jaxpr(lambda s: attnres.maybe_start_block(s, layer_index, 12))(stream)
+  updates = [e for e in jaxpr.eqns if "dynamic_update_slice" in str(e.primitive)
+             or "custom_vjp" in str(e.primitive)]
+  if layer_index % 12:
+    assert attnres.maybe_start_block(stream, layer_index, 12) is stream
+    assert not updates
+  else:
+    assert updates
