@@ -6,8 +6,9 @@ One QB call (`k3train.model.moe.quantile_balancing_bias`: the (k+1)-th largest b
 token, then the per-expert quantile of the margins by radix selection over the float bits) on
 random sigmoid scores, jitted once per (digit_bits, bisection_unroll) setting: 1 bit per round
 (32 rounds) unrolled or as a loop, 2 bits (16 rounds) unrolled, 4 bits (8 rounds) unrolled or
-as a loop. (8 bits per round compares every element with 255 candidates: far slower.) A row
-"cutoff only" times the per-token top-k alone, the part every setting shares. Prints one JSON
+as a loop (8 bits per round compares every element with 255 candidates: far slower), and the
+two Pallas-GPU kernels of `pallas_kernels.qb` ("pallas_gpu", on a GPU only). A row "cutoff
+only" times the XLA path's per-token top-k alone, the part every XLA setting shares. Prints one JSON
 line per (shape, setting) with the median of `--iters` calls, the compile time and the number of
 kernels (fusions and custom calls) in the compiled call, then a table. All settings return the
 bits of the first (checked).
@@ -30,7 +31,7 @@ from benchmarks import _flags, _record  # noqa: E402
 from k3train.model.moe import quantile_balancing_bias  # noqa: E402
 
 PROG = "python benchmarks/qb_bisection.py"
-SETTINGS = ((1, True), (1, 1), (2, True), (4, True), (4, 1))   # (digit_bits, unroll)
+SETTINGS = ((1, True), (1, 1), (2, True), (4, True), (4, 1))   # XLA: (digit_bits, unroll)
 FLAGS = (
     _flags.Flag("tokens", "int", 8192, "tokens of the score matrix"),
     _flags.Flag("experts", "list", ["64", "896"], "experts per case"),
@@ -40,17 +41,20 @@ FLAGS = (
 
 
 def measure(tokens: int, experts: int, top_k: int, setting, iters: int) -> dict:
-  """setting: (digit_bits, unroll), or "cutoff" for the per-token top-k alone."""
+  """setting: (digit_bits, unroll) of the XLA rounds, "pallas_gpu", or "cutoff" for the XLA
+  path's per-token top-k alone."""
   key = jax.random.key(0)
   scores = jax.nn.sigmoid(jax.random.normal(key, (tokens, experts), jnp.float32))
   bias = jnp.zeros((experts,), jnp.float32)
   mask = jnp.ones((tokens,), bool)
   if setting == "cutoff":
     fn = jax.jit(lambda s, b, m: jax.lax.top_k(s + b, top_k + 1)[0][:, top_k])
+  elif setting == "pallas_gpu":
+    fn = jax.jit(lambda s, b, m: quantile_balancing_bias(s, b, m, top_k, backend="pallas_gpu"))
   else:
     bits, unroll = setting
     fn = jax.jit(lambda s, b, m: quantile_balancing_bias(s, b, m, top_k, bisection_unroll=unroll,
-                                                         digit_bits=bits))
+                                                         digit_bits=bits, backend="xla"))
   t0 = time.perf_counter()
   compiled = fn.lower(scores, bias, mask).compile()
   compile_s = time.perf_counter() - t0
@@ -61,7 +65,7 @@ def measure(tokens: int, experts: int, top_k: int, setting, iters: int) -> dict:
     compiled(scores, bias, mask).block_until_ready()
     times.append(time.perf_counter() - t0)
   return {"tokens": tokens, "experts": experts, "top_k": top_k,
-          "setting": setting if setting == "cutoff" else f"{setting[0]} bit, unroll {setting[1]}",
+          "setting": setting if isinstance(setting, str) else f"{setting[0]} bit, unroll {setting[1]}",
           "kernels": len(_record.kernel_names(compiled.as_text())),
           "median_us": round(1e6 * float(np.median(times)), 1),
           "min_us": round(1e6 * float(np.min(times)), 1), "compile_s": round(compile_s, 2),
@@ -83,7 +87,8 @@ def main(argv=None) -> int:
   rows = []
   for e, k in zip(experts, top_ks):
     ref = None
-    for setting in SETTINGS + ("cutoff",):
+    gpu = ("pallas_gpu",) if jax.default_backend() == "gpu" else ()
+    for setting in SETTINGS + gpu + ("cutoff",):
       r = measure(tokens, e, k, setting, iters)
       bias = r.pop("bias")
       if setting != "cutoff":

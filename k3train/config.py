@@ -21,6 +21,7 @@ from pallas_kernels import attention as attention_op
 from pallas_kernels import attnres as attnres_op
 from pallas_kernels import kda as kda_op
 from pallas_kernels import moe as moe_ops
+from pallas_kernels import qb as qb_op
 from k3train.quant import mx
 
 
@@ -40,6 +41,7 @@ KDA_BACKENDS = kda_op.BACKENDS
 MOE_BACKENDS = moe_ops.BACKENDS
 ATTENTION_BACKENDS = attention_op.BACKENDS
 ATTNRES_BACKENDS = attnres_op.BACKENDS
+QB_BACKENDS = qb_op.BACKENDS
 QAT_GEMMS = ("auto", "fake_quant", "mx")     # model.quant.gemm (k3train/model/moe.py)
 # `data` keys that may change between curriculum stages (and so between a checkpoint and the run
 # restoring it): the data iterator re-plans them without losing its place in any source.
@@ -187,6 +189,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "model.moe.shared_hidden",
            f"{e.shared_hidden} must be divisible by num_shared_experts={e.num_shared_experts}")
   _require(e.backend in MOE_BACKENDS, "model.moe.backend", f"must be one of {MOE_BACKENDS}, got {e.backend!r}")
+  _require(e.qb_backend in QB_BACKENDS, "model.moe.qb_backend",
+           f"must be one of {QB_BACKENDS}, got {e.qb_backend!r}")
   _validate_quant(m)
 
   _require(m.mtp.loss_weight >= 0, "model.mtp.loss_weight", f"must be >= 0, got {m.mtp.loss_weight}")

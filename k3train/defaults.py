@@ -61,6 +61,7 @@ def k3_full() -> ml_collections.ConfigDict:
   e.qb_rounds = 4                 # train: QB rounds on the batch's own scores before routing (0: route with the stored bias)
   e.qb_mean_correction = False    # train: first move the stored bias by each expert's mean-score change
   e.backend = "auto"              # pallas_kernels.moe: auto (pallas_gpu on GPU, else ragged_dot)
+  e.qb_backend = "auto"           # pallas_kernels.qb: auto (pallas_gpu on one GPU, else xla) | xla | pallas_gpu
 
   q = m.quant = ml_collections.ConfigDict()   # MX QAT of the routed experts (docs/maths.md §7.5)
   q.enabled = False               # K3 pre-trains in bf16; QAT is switched on for SFT / RL

@@ -61,6 +61,7 @@ from k3train.model.layers import (GluMLP, Linear, RMSNorm, fp32_weight_matmul, n
 from k3train.parallel import expert as expert_parallel
 from k3train.quant import mx
 from pallas_kernels import moe as moe_ops
+from pallas_kernels import qb as qb_kernels
 
 
 # ----------------------------------------------------------------------------- variables
@@ -161,7 +162,7 @@ class Router(nnx.Module):
 
 def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_t: jax.Array,
                             top_k: int, *, bisection_unroll: int | bool | None = None,
-                            digit_bits: int | None = None) -> jax.Array:
+                            digit_bits: int | None = None, backend: str = "auto") -> jax.Array:
   """One Quantile-Balancing step (docs/maths.md §5.3), in sigmoid-score space, over real tokens.
 
       α_t  = (k+1)-th largest over e of (s_te + b_e)     token cutoff with the current bias
@@ -169,18 +170,16 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
       β̂_e  = (q+1)-th largest over real t of μ_te,  q = ⌊m_real·k / E⌋ clamped to [0, m_real−1]
       b_new = −β̂ − mean(−β̂)
 
-  m_real = number of tokens with token_mask_t true. It is dynamic, so the quantile is read by a
-  dynamic index into a descending sort over tokens in which padding tokens sit at −inf (last).
-  Adding a constant to s or to b gives the same result. With no real tokens the bias is returned
-  unchanged; with top_k == E every expert takes every token and the result is zeros.
-  The result is wrapped in stop_gradient.
+  m_real = number of tokens with token_mask_t true. It is dynamic, so the quantile is a dynamic
+  rank among the margins, padding tokens at −inf (last). Adding a constant to s or to b gives the
+  same result. With no real tokens the bias is returned unchanged; with top_k == E every expert
+  takes every token and the result is zeros. The result is wrapped in stop_gradient.
 
-  The quantile is an exact order statistic found by radix selection over the float bit
-  patterns (`kth_largest_per_column`): 32 / digit_bits rounds of per-expert counts, so under data
-  sharding only [E, 2^digit_bits − 1] counts are all-reduced, never the [T, E] margins, and the
-  result equals a sort's bit for bit. bisection_unroll: how many of those rounds one loop
-  iteration runs (True: all, no loop); None for either: `default_bisection_unroll()`,
-  `default_digit_bits()`.
+  The order statistics are exact, equal to sorting bit for bit, by radix selection over the float
+  bit patterns (pallas_kernels.qb; `backend`: "auto", "xla" or "pallas_gpu"). On the XLA path
+  only [E, 2^digit_bits − 1] counts per round are all-reduced under data sharding, never the
+  [T, E] margins; bisection_unroll: how many of its rounds one loop iteration runs (True: all,
+  no loop); None for either: the backend's defaults.
   """
   scores_te = jax.lax.stop_gradient(scores_te.astype(jnp.float32))
   bias_e = jax.lax.stop_gradient(bias_e.astype(jnp.float32))
@@ -188,81 +187,13 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
   if top_k >= num_experts:
     return jnp.zeros_like(bias_e)
   real_t = token_mask_t.reshape(scores_te.shape[0]).astype(bool)
-
-  cutoff_t = jax.lax.top_k(scores_te + bias_e, top_k + 1)[0][:, top_k]
-  margin_te = jnp.where(real_t[:, None], scores_te - cutoff_t[:, None], -jnp.inf)  # padding last
-
   m_real = jnp.sum(real_t, dtype=jnp.int32)
   q = jnp.clip((m_real * top_k) // num_experts, 0, jnp.maximum(m_real - 1, 0))
-  if bisection_unroll is None:
-    bisection_unroll = default_bisection_unroll()
-  if digit_bits is None:
-    digit_bits = default_digit_bits()
-  beta_e = kth_largest_per_column(margin_te, q, unroll=bisection_unroll, digit_bits=digit_bits)
+  beta_e = qb_kernels.margin_quantile(scores_te, bias_e, real_t, top_k, q, backend=backend,
+                                      unroll=bisection_unroll, digit_bits=digit_bits)
   new_bias_e = -beta_e
   new_bias_e = new_bias_e - jnp.mean(new_bias_e)
   return jax.lax.stop_gradient(jnp.where(m_real > 0, new_bias_e, bias_e))
-
-
-def default_bisection_unroll() -> int | bool:
-  """All selection rounds unrolled on GPUs (on an H200, 4 bits per round, a loop of 8 takes 5 %
-  longer at 64 experts and 19 % at 896: benchmarks/qb_bisection.md), a loop elsewhere: on CPU
-  the unrolled rounds multiply the step's compile time for no run-time gain. Same bits either
-  way."""
-  return True if jax.default_backend() == "gpu" else 1
-
-
-def default_digit_bits() -> int:
-  """Bits of the order statistic fixed per selection round (32 / bits rounds): 4 on GPUs (on an
-  H200 one QB call over 8,192 tokens takes 150 µs instead of 276 µs with 1 bit at 64 experts,
-  745 instead of 1,065 µs at 896; benchmarks/qb_bisection.md), 1 elsewhere (on CPU the wider
-  compares cost more than the rounds they save). Same bits for every choice."""
-  return 4 if jax.default_backend() == "gpu" else 1
-
-
-def _ordered_uint32(x: jax.Array) -> jax.Array:
-  """fp32 → uint32 with the same order (−inf smallest): flip negatives, offset the sign."""
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-  key = jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
-  return jax.lax.bitcast_convert_type(key ^ jnp.int32(-0x80000000), jnp.uint32)
-
-
-def _from_ordered_uint32(u: jax.Array) -> jax.Array:
-  key = jax.lax.bitcast_convert_type(u, jnp.int32) ^ jnp.int32(-0x80000000)
-  bits = jnp.where(key >= 0, key, key ^ jnp.int32(0x7FFFFFFF))
-  return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def kth_largest_per_column(x_te: jax.Array, k: jax.Array, *, unroll: int | bool = True,
-                           digit_bits: int = 1) -> jax.Array:
-  """[E]: the (k+1)-th largest value of each column of x_te [T, E] (k dynamic, 0 ≤ k < T).
-
-  Radix selection on the order-preserving uint32 image of the floats: keep the largest threshold
-  u with #{t : x_te ≥ u} ≥ k + 1, fixing `digit_bits` bits of u per round (32 / digit_bits
-  rounds, most significant first). A round counts, per column, the elements at or above each of
-  the 2^digit_bits − 1 non-zero candidate digits and keeps the largest digit whose count reaches
-  k + 1 (counts fall as the digit grows). Rounds need only per-column counts, so a token axis
-  sharded over devices costs one [E, 2^digit_bits − 1] all-reduce per round; the answer is an
-  element of the column (NaN-free input assumed), equal to sorting. `unroll` rounds run per loop
-  iteration (True: all unrolled, no loop). Every (unroll, digit_bits) gives the same bits.
-  """
-  if digit_bits not in (1, 2, 4, 8):
-    raise ValueError(f"digit_bits must be 1, 2, 4 or 8 (a divisor of 32 up to 8), got {digit_bits}")
-  rounds = 32 // digit_bits
-  u_te = _ordered_uint32(x_te)
-  need = (k + 1).astype(jnp.int32)
-  digits_d = jnp.arange(1, 2 ** digit_bits, dtype=jnp.uint32)           # candidate digits, 0 excluded
-
-  def one_digit(i, ans_e):                   # digit i of `rounds`, most significant first
-    shift = (32 - digit_bits * (i + 1)).astype(jnp.uint32)
-    cand_ed = ans_e[:, None] | jnp.left_shift(digits_d, shift)[None, :]
-    count_ed = jnp.sum(u_te[:, :, None] >= cand_ed[None], axis=0, dtype=jnp.int32)
-    digit_e = jnp.sum(count_ed >= need, axis=1, dtype=jnp.int32).astype(jnp.uint32)
-    return ans_e | jnp.left_shift(digit_e, shift)
-
-  ans_e = jax.lax.fori_loop(0, rounds, one_digit, jnp.zeros((x_te.shape[1],), jnp.uint32),
-                            unroll=unroll)
-  return _from_ordered_uint32(ans_e)
 
 
 def count_expert_load(idx_tk: jax.Array, token_mask_t: jax.Array, num_experts: int) -> jax.Array:
@@ -478,6 +409,7 @@ class StableLatentMoE(nnx.Module):
                                and bool(getattr(moe_cfg, "qb_mean_correction", False)))
     self.qb_rounds = int(getattr(moe_cfg, "qb_rounds", 0)) if self.quantile_balancing else 0
     self.qb_training_rule = self.qb_mean_correction or self.qb_rounds > 0
+    self.qb_backend = str(getattr(moe_cfg, "qb_backend", "auto"))
     self.dtype = dtype
     lin = dict(std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -508,7 +440,8 @@ class StableLatentMoE(nnx.Module):
         jax.lax.stop_gradient(count_expert_load(idx_tk, real_t, self.num_experts)))
     bias_e = self.router.bias.get_value()
     if self.quantile_balancing:
-      pending_e = quantile_balancing_bias(scores_te, bias_e, real_t, self.top_k)
+      pending_e = quantile_balancing_bias(scores_te, bias_e, real_t, self.top_k,
+                                          backend=self.qb_backend)
     else:
       pending_e = bias_e
     self.qb_pending.set_value(jax.lax.stop_gradient(pending_e.astype(jnp.float32)))
@@ -532,7 +465,8 @@ class StableLatentMoE(nnx.Module):
       # One copy of the QB round in the compiled step, run qb_rounds times (a short loop).
       bias_e = jax.lax.fori_loop(
           0, self.qb_rounds,
-          lambda _, b: quantile_balancing_bias(scores_ne, b, real_n, self.top_k), bias_e)
+          lambda _, b: quantile_balancing_bias(scores_ne, b, real_n, self.top_k,
+                                               backend=self.qb_backend), bias_e)
     self.router.bias.set_value(bias_e)     # the bias this batch routed with (QB's α reads it)
     weights_nk, idx_nk = route(scores_ne, bias_e, self.top_k, renormalize=self.router.renormalize,
                                routed_scaling_factor=self.router.routed_scaling_factor)

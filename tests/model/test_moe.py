@@ -442,7 +442,7 @@ def test_kth_largest_per_column_equals_a_sort(unroll, digit_bits):
   # QB's exact order statistic by radix selection over counts (no [T, E] sort or gather):
   # the same element a descending sort puts at index k, including ±0 ties, −inf padding and
   # values across six decades; 1, 2, 4 or 8 bits per round, unrolled or as a loop.
-  from k3train.model.moe import kth_largest_per_column
+  from pallas_kernels.qb.xla import kth_largest_per_column
   rng = np.random.default_rng(0)
   for _ in range(20):
     x = (rng.standard_normal((50, 7)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
@@ -458,6 +458,6 @@ def test_kth_largest_per_column_equals_a_sort(unroll, digit_bits):
 
 
 def test_kth_largest_per_column_rejects_digit_widths_that_do_not_divide_32():
-  from k3train.model.moe import kth_largest_per_column
+  from pallas_kernels.qb.xla import kth_largest_per_column
   with pytest.raises(ValueError, match="digit_bits must be 1, 2, 4 or 8"):
     kth_largest_per_column(jnp.zeros((4, 3)), jnp.int32(0), digit_bits=3)

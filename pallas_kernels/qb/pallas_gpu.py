@@ -1,0 +1,183 @@
+"""Quantile Balancing's order statistics as two Pallas-Triton (GPU) kernels.
+
+XLA runs one QB call (xla.margin_quantile) as about thirty small kernels: a sort per token for
+the top-(k+1) cutoff, then a count and an update per radix round, each a few microseconds, so
+the call is bound by launches. Here it is two kernels:
+
+  rows     one program per `rows` tokens: each token's (k+1)-th largest biased score s + b by
+           radix selection over its experts, then its margins s − cutoff (−inf for a padding
+           token), written expert-major [E', T] so that the next kernel reads them contiguously;
+  columns  one program per expert: the (q+1)-th largest of its T margins by the same radix
+           selection, the tokens read in chunks of `chunk` per round (from L2 after the first).
+
+Both select 4 bits per round (8 rounds) on the order-preserving uint32 image of the floats
+(xla.ordered_uint32). The answer is an element of the input and the only arithmetic is s + b and
+s − cutoff in fp32, as in xla.py, so the result equals xla.margin_quantile's bit for bit. The
+experts are padded to a power of two E' with −inf scores, which top_k < E never selects. With
+interpret=True the same kernels run on CPU (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import launch
+from pallas_kernels.qb import xla
+
+F32 = jnp.float32
+DIGIT_BITS = 4
+ROUNDS = 32 // DIGIT_BITS
+
+
+def _pow2(x: int) -> bool:
+  return x >= 1 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Launch parameters (benchmarks/qb_bisection.md). Validated on construction."""
+  rows: int = 32        # tokens per program of the rows kernel (power of two)
+  chunk: int = 1024     # tokens per step of the columns kernel (power of two >= 16)
+  num_warps: int = 4    # 1, 2, 4, 8 or 16
+
+  def __post_init__(self):
+    if not _pow2(self.rows):
+      raise ValueError(f"qb pallas_gpu: rows must be a power of two, got {self.rows!r}")
+    if not (_pow2(self.chunk) and self.chunk >= 16):
+      raise ValueError(f"qb pallas_gpu: chunk must be a power of two >= 16, got {self.chunk!r}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"qb pallas_gpu: num_warps must be 1, 2, 4, 8 or 16, got "
+                       f"{self.num_warps!r}")
+
+
+SETTINGS = Settings()
+
+
+def configured(**overrides):
+  """Context manager: SETTINGS with these fields replaced for a block (`launch.swapped`)."""
+  return launch.swapped(sys.modules[__name__], overrides)
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two <= cap dividing n."""
+  p = cap
+  while p > 1 and n % p:
+    p //= 2
+  return p
+
+
+def tiles(num_tokens: int, settings: Settings | None = None) -> tuple[int, int] | None:
+  """(rows, chunk) for T = num_tokens: the settings' values or the largest powers of two below
+  them that divide T; None when T has no power-of-two divisor of 16 or more."""
+  settings = settings or SETTINGS
+  chunk = _largest_pow2_divisor(num_tokens, settings.chunk)
+  if chunk < 16:
+    return None
+  return _largest_pow2_divisor(num_tokens, settings.rows), chunk
+
+
+def supports(num_tokens: int, settings: Settings | None = None) -> bool:
+  """Whether the kernels tile T = num_tokens tokens."""
+  return tiles(num_tokens, settings) is not None
+
+
+def _shift(round_index):
+  """Bit position of round `round_index`'s digit (most significant first), as uint32."""
+  return (32 - DIGIT_BITS * (round_index + 1)).astype(jnp.uint32)
+
+
+def _rows_kernel(scores_ref, bias_ref, real_ref, margins_ref, *, rows: int, need: int):
+  """Tokens [t0, t0 + rows): cutoffs by radix selection along the experts, then margins."""
+  t0 = pl.multiple_of(pl.program_id(0) * rows, rows)
+  ts = pl.ds(t0, rows)
+  s = scores_ref[ts, :]                                      # [rows, E'] fp32
+  u = xla.ordered_uint32(s + bias_ref[...][None, :])
+
+  def one_round(r, ans):                                     # ans [rows] uint32
+    shift = _shift(r)
+    digit = jnp.zeros((rows,), jnp.int32)
+    for c in range(1, 2 ** DIGIT_BITS):                      # counts fall as the digit grows
+      cand = ans | jnp.left_shift(jnp.uint32(c), shift)
+      count = jnp.sum((u >= cand[:, None]).astype(jnp.int32), axis=1)
+      digit = digit + (count >= need).astype(jnp.int32)
+    return ans | jnp.left_shift(digit.astype(jnp.uint32), shift)
+
+  ans = jax.lax.fori_loop(0, ROUNDS, one_round, jnp.zeros((rows,), jnp.uint32))
+  cutoff = xla.from_ordered_uint32(ans)
+  real = real_ref[ts] != 0
+  margin = jnp.where(real[:, None], s - cutoff[:, None], -jnp.inf)
+  margins_ref[:, ts] = margin.T
+
+
+def _columns_kernel(margins_ref, need_ref, beta_ref, *, num_tokens: int, chunk: int):
+  """Expert e: the need-th largest of margins[e, :] by radix selection along the tokens."""
+  e = pl.program_id(0)
+  need = need_ref[0]
+  digits = jnp.arange(2 ** DIGIT_BITS, dtype=jnp.uint32)    # digit 0: the answer so far
+
+  def one_round(r, ans):                                     # ans: uint32 scalar
+    shift = _shift(r)
+    cand = ans | jnp.left_shift(digits, shift)               # [16]
+
+    def one_chunk(c, counts):
+      u = xla.ordered_uint32(margins_ref[e, pl.ds(pl.multiple_of(c * chunk, chunk), chunk)])
+      return counts + jnp.sum((u[:, None] >= cand[None, :]).astype(jnp.int32), axis=0)
+
+    counts = jax.lax.fori_loop(0, num_tokens // chunk, one_chunk,
+                               jnp.zeros((2 ** DIGIT_BITS,), jnp.int32))
+    # counts[0] >= need always holds (the answer so far has enough at or above it).
+    digit = jnp.sum((counts >= need).astype(jnp.int32)) - 1
+    return ans | jnp.left_shift(digit.astype(jnp.uint32), shift)
+
+  ans = jax.lax.fori_loop(0, ROUNDS, one_round, jnp.uint32(0))
+  beta_ref[...] = jnp.broadcast_to(xla.from_ordered_uint32(ans), (1,))
+
+
+def margin_quantile(scores_te, bias_e, real_t, top_k: int, q, *, interpret: bool = False,
+                    settings: Settings | None = None):
+  """reference.margin_quantile's contract (β [E] fp32), bit-equal to xla.margin_quantile.
+  `settings`: SETTINGS when None."""
+  settings = settings or SETTINGS
+  t, e = scores_te.shape
+  if not supports(t, settings):
+    raise ValueError(f"qb pallas_gpu: T = {t} tokens have no power-of-two divisor of 16 or "
+                     "more to tile by")
+  if not 0 <= top_k < e:
+    raise ValueError(f"qb pallas_gpu: top_k must lie in [0, E = {e}), got {top_k}")
+  return _launch(scores_te, bias_e, real_t, jnp.asarray(q, jnp.int32), top_k=top_k,
+                 interpret=interpret, settings=settings)
+
+
+# Jitted with its settings static: every MoE layer calls it at the same shapes, and jax lowers
+# it once per shape and calls it from each.
+@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "settings"))
+def _launch(scores_te, bias_e, real_t, q, *, top_k: int, interpret: bool, settings: Settings):
+  t, e = scores_te.shape
+  rows, chunk = tiles(t, settings)
+  e_pad = 1 << max(e - 1, 0).bit_length()
+  scores = scores_te.astype(F32)
+  bias = bias_e.astype(F32)
+  if e_pad != e:
+    scores = jnp.pad(scores, ((0, 0), (0, e_pad - e)), constant_values=-jnp.inf)
+    bias = jnp.pad(bias, (0, e_pad - e))
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu
+    params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=1)
+  margins = pl.pallas_call(
+      functools.partial(_rows_kernel, rows=rows, need=top_k + 1), grid=(t // rows,),
+      out_shape=jax.ShapeDtypeStruct((e_pad, t), F32), interpret=interpret,
+      compiler_params=params,
+  )(scores, bias, real_t.reshape(t).astype(jnp.int32))
+  need = (q + 1).astype(jnp.int32).reshape(1)
+  return pl.pallas_call(
+      functools.partial(_columns_kernel, num_tokens=t, chunk=chunk), grid=(e,),
+      out_shape=jax.ShapeDtypeStruct((e,), F32),
+      out_specs=pl.BlockSpec((1,), lambda i: (i,)), interpret=interpret, compiler_params=params,
+  )(margins, need)

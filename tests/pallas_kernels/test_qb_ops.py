@@ -1,0 +1,103 @@
+"""pallas_kernels.qb: QB's order statistics by the Pallas-GPU kernels (interpret mode on CPU), the
+XLA radix rounds and the sorting oracle agree bit for bit; backend choice and bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from k3train.model import moe as moe_lib
+from pallas_kernels import qb
+from pallas_kernels.qb import pallas_gpu, reference, xla
+
+
+def _case(rng, t, e, *, ties=False):
+  scores = (rng.standard_normal((t, e)) * 10.0 ** rng.integers(-2, 2)).astype(np.float32)
+  if ties:                                   # repeated values, ±0 and −inf among the scores
+    scores = np.round(scores, 1)
+    scores[rng.random((t, e)) < 0.1] = 0.0
+    scores[rng.random((t, e)) < 0.05] = -0.0
+    scores[rng.random((t, e)) < 0.02] = -np.inf
+  bias = (rng.standard_normal(e) * 0.3).astype(np.float32)
+  real = rng.random(t) < 0.85
+  return jnp.asarray(scores), jnp.asarray(bias), jnp.asarray(real)
+
+
+def _bits(x):
+  return np.asarray(x, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("t,e,top_k,ties", [(128, 64, 8, False), (96, 12, 3, True),
+                                            (64, 40, 0, True), (32, 130, 16, False)])
+def test_kernels_equal_the_xla_rounds_and_the_sorts(t, e, top_k, ties):
+  rng = np.random.default_rng(t + e + top_k)
+  scores, bias, real = _case(rng, t, e, ties=ties)
+  m_real = int(real.sum())
+  for q in (0, (m_real * top_k) // e, m_real - 1):
+    q = jnp.int32(q)
+    want = reference.margin_quantile(scores, bias, real, top_k, q)
+    got_xla = xla.margin_quantile(scores, bias, real, top_k, q)
+    with pallas_gpu.configured(rows=16, chunk=32):
+      got = pallas_gpu.margin_quantile(scores, bias, real, top_k, q, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got_xla), np.asarray(want))
+    np.testing.assert_array_equal(_bits(got), _bits(got_xla))
+
+
+def test_all_padding_tokens_give_minus_infinity_on_both_paths():
+  rng = np.random.default_rng(3)
+  scores, bias, _ = _case(rng, 64, 16)
+  real = jnp.zeros((64,), bool)
+  got = pallas_gpu.margin_quantile(scores, bias, real, 4, jnp.int32(0), interpret=True)
+  np.testing.assert_array_equal(_bits(got), _bits(xla.margin_quantile(scores, bias, real, 4,
+                                                                      jnp.int32(0))))
+  assert np.all(np.isneginf(np.asarray(got)))
+
+
+def test_quantile_balancing_bias_is_the_same_on_every_backend():
+  rng = np.random.default_rng(5)
+  scores, bias, real = _case(rng, 256, 64)
+  mask = real.astype(jnp.float32)
+  outs = [moe_lib.quantile_balancing_bias(scores, bias, mask, 8, backend=b)
+          for b in ("xla", "pallas_gpu", "auto")]
+  for out in outs[1:]:
+    np.testing.assert_array_equal(_bits(out), _bits(outs[0]))
+
+
+def test_auto_takes_xla_off_a_gpu_and_names_unknown_backends():
+  assert qb.resolve_backend("auto", 4096) == ("pallas_gpu" if jax.default_backend() == "gpu"
+                                              and jax.device_count() == 1 else "xla")
+  assert qb.resolve_backend("pallas_gpu") == "pallas_gpu"
+  with pytest.raises(ValueError, match="unknown backend 'triton'"):
+    qb.resolve_backend("triton")
+
+
+def test_bad_input_is_named():
+  scores, bias, real = jnp.zeros((32, 8)), jnp.zeros((8,)), jnp.ones((32,), bool)
+  with pytest.raises(ValueError, match=r"must be \[T, E\], \[E\] and T elements"):
+    qb.margin_quantile(scores, jnp.zeros((7,)), real, 2, jnp.int32(0))
+  with pytest.raises(ValueError, match=r"top_k must lie in \[0, E = 8\)"):
+    qb.margin_quantile(scores, bias, real, 8, jnp.int32(0))
+  with pytest.raises(ValueError, match="no power-of-two divisor"):
+    pallas_gpu.margin_quantile(jnp.zeros((24, 8)), bias, jnp.ones((24,), bool), 2, jnp.int32(0),
+                               interpret=True)
+  with pytest.raises(ValueError, match="rows must be a power of two"):
+    pallas_gpu.Settings(rows=24)
+  with pytest.raises(ValueError, match="chunk must be a power of two >= 16"):
+    pallas_gpu.Settings(chunk=8)
+
+
+def test_the_kernels_lower_to_two_triton_calls_for_the_gpu():
+  """Both kernels pass Pallas' Triton lowering (what a GPU compiles), at a power-of-two and a
+  padded expert count."""
+  fn = jax.jit(lambda s, b, r, q: pallas_gpu._launch(s, b, r, q, top_k=8, interpret=False,
+                                                     settings=pallas_gpu.SETTINGS))
+  for e in (64, 896):
+    exported = export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            jax.ShapeDtypeStruct((4096, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32),
+            jax.ShapeDtypeStruct((4096,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
+    assert exported.mlir_module().count("xla.gpu.triton") == 2
