@@ -8,7 +8,8 @@ the call is bound by launches. Here it is two kernels:
            radix selection over its experts, then its margins s − cutoff (−inf for a padding
            token), written expert-major [E', T] so that the next kernel reads them contiguously;
   columns  one program per expert: the (q+1)-th largest of its T margins by the same radix
-           selection, the tokens read in chunks of `chunk` per round (from L2 after the first).
+           selection, the column held in registers across the rounds (streamed in chunks per
+           round when T exceeds `resident`).
 
 Both select 4 bits per round (8 rounds) on the order-preserving uint32 image of the floats
 (xla.ordered_uint32). The answer is an element of the input and the only arithmetic is s + b and
@@ -42,13 +43,18 @@ def _pow2(x: int) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """Launch parameters (benchmarks/qb_bisection.md). Validated on construction."""
-  rows: int = 32        # tokens per program of the rows kernel (power of two)
-  chunk: int = 1024     # tokens per step of the columns kernel (power of two >= 16)
-  num_warps: int = 4    # 1, 2, 4, 8 or 16
+  rows: int = 32        # tokens per program of the rows kernel (power of two), at most
+  row_elements: int = 4096  # ... this many scores (rows × E') per program
+  resident: int = 32768 # longest column the columns kernel keeps in registers (power of two)
+  chunk: int = 1024     # tokens per step of the columns kernel beyond that (power of two >= 16)
+  num_warps: int = 8    # 1, 2, 4, 8 or 16
 
   def __post_init__(self):
     if not _pow2(self.rows):
       raise ValueError(f"qb pallas_gpu: rows must be a power of two, got {self.rows!r}")
+    if not (_pow2(self.row_elements) and _pow2(self.resident) and self.resident >= 16):
+      raise ValueError(f"qb pallas_gpu: row_elements and resident must be powers of two, got "
+                       f"{self.row_elements!r}, {self.resident!r}")
     if not (_pow2(self.chunk) and self.chunk >= 16):
       raise ValueError(f"qb pallas_gpu: chunk must be a power of two >= 16, got {self.chunk!r}")
     if self.num_warps not in (1, 2, 4, 8, 16):
@@ -72,19 +78,26 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
   return p
 
 
-def tiles(num_tokens: int, settings: Settings | None = None) -> tuple[int, int] | None:
-  """(rows, chunk) for T = num_tokens: the settings' values or the largest powers of two below
-  them that divide T; None when T has no power-of-two divisor of 16 or more."""
+def tiles(num_tokens: int, num_experts: int = 1,
+          settings: Settings | None = None) -> tuple[int, int] | None:
+  """(rows, chunk) for T = num_tokens tokens and E experts: rows a power of two dividing T with
+  rows × E' <= row_elements (and <= the settings' rows); chunk = T when T <= resident (the
+  column stays in registers), else the largest power of two <= the settings' chunk dividing T.
+  None when T has no power-of-two divisor of 16 or more."""
   settings = settings or SETTINGS
-  chunk = _largest_pow2_divisor(num_tokens, settings.chunk)
-  if chunk < 16:
+  if _largest_pow2_divisor(num_tokens, 16) < 16:
     return None
-  return _largest_pow2_divisor(num_tokens, settings.rows), chunk
+  e_pad = 1 << max(num_experts - 1, 0).bit_length()
+  rows = _largest_pow2_divisor(num_tokens, max(1, min(settings.rows,
+                                                      settings.row_elements // e_pad)))
+  chunk = (num_tokens if num_tokens <= settings.resident
+           else _largest_pow2_divisor(num_tokens, settings.chunk))
+  return rows, chunk
 
 
 def supports(num_tokens: int, settings: Settings | None = None) -> bool:
   """Whether the kernels tile T = num_tokens tokens."""
-  return tiles(num_tokens, settings) is not None
+  return tiles(num_tokens, 1, settings) is not None
 
 
 def _shift(round_index):
@@ -116,23 +129,30 @@ def _rows_kernel(scores_ref, bias_ref, real_ref, margins_ref, *, rows: int, need
 
 
 def _columns_kernel(margins_ref, need_ref, beta_ref, *, num_tokens: int, chunk: int):
-  """Expert e: the need-th largest of margins[e, :] by radix selection along the tokens."""
+  """Expert e: the need-th largest of margins[e, :] by radix selection along the tokens.
+
+  With chunk == num_tokens the column is loaded once and every round counts it in registers;
+  otherwise each round streams it in chunks (a serial chain of loads: slower, for long T)."""
   e = pl.program_id(0)
   need = need_ref[0]
-  digits = jnp.arange(2 ** DIGIT_BITS, dtype=jnp.uint32)    # digit 0: the answer so far
+  resident = chunk == num_tokens
+  column = xla.ordered_uint32(margins_ref[e, :]) if resident else None
+
+  def count_at_or_above(cand):
+    if resident:
+      return jnp.sum((column >= cand).astype(jnp.int32))
+
+    def one_chunk(c, total):
+      u = xla.ordered_uint32(margins_ref[e, pl.ds(pl.multiple_of(c * chunk, chunk), chunk)])
+      return total + jnp.sum((u >= cand).astype(jnp.int32))
+    return jax.lax.fori_loop(0, num_tokens // chunk, one_chunk, jnp.int32(0))
 
   def one_round(r, ans):                                     # ans: uint32 scalar
     shift = _shift(r)
-    cand = ans | jnp.left_shift(digits, shift)               # [16]
-
-    def one_chunk(c, counts):
-      u = xla.ordered_uint32(margins_ref[e, pl.ds(pl.multiple_of(c * chunk, chunk), chunk)])
-      return counts + jnp.sum((u[:, None] >= cand[None, :]).astype(jnp.int32), axis=0)
-
-    counts = jax.lax.fori_loop(0, num_tokens // chunk, one_chunk,
-                               jnp.zeros((2 ** DIGIT_BITS,), jnp.int32))
-    # counts[0] >= need always holds (the answer so far has enough at or above it).
-    digit = jnp.sum((counts >= need).astype(jnp.int32)) - 1
+    digit = jnp.int32(0)
+    for c in range(1, 2 ** DIGIT_BITS):                      # counts fall as the digit grows
+      cand = ans | jnp.left_shift(jnp.uint32(c), shift)
+      digit = digit + (count_at_or_above(cand) >= need).astype(jnp.int32)
     return ans | jnp.left_shift(digit.astype(jnp.uint32), shift)
 
   ans = jax.lax.fori_loop(0, ROUNDS, one_round, jnp.uint32(0))
@@ -159,7 +179,7 @@ def margin_quantile(scores_te, bias_e, real_t, top_k: int, q, *, interpret: bool
 @functools.partial(jax.jit, static_argnames=("top_k", "interpret", "settings"))
 def _launch(scores_te, bias_e, real_t, q, *, top_k: int, interpret: bool, settings: Settings):
   t, e = scores_te.shape
-  rows, chunk = tiles(t, settings)
+  rows, chunk = tiles(t, e, settings)
   e_pad = 1 << max(e - 1, 0).bit_length()
   scores = scores_te.astype(F32)
   bias = bias_e.astype(F32)

@@ -40,10 +40,12 @@ def test_kernels_equal_the_xla_rounds_and_the_sorts(t, e, top_k, ties):
     q = jnp.int32(q)
     want = reference.margin_quantile(scores, bias, real, top_k, q)
     got_xla = xla.margin_quantile(scores, bias, real, top_k, q)
-    with pallas_gpu.configured(rows=16, chunk=32):
-      got = pallas_gpu.margin_quantile(scores, bias, real, top_k, q, interpret=True)
     np.testing.assert_array_equal(np.asarray(got_xla), np.asarray(want))
-    np.testing.assert_array_equal(_bits(got), _bits(got_xla))
+    # The column in registers, and streamed in chunks of 32 tokens per round.
+    for tiling in (dict(rows=16), dict(rows=16, row_elements=256, resident=16, chunk=32)):
+      with pallas_gpu.configured(**tiling):
+        got = pallas_gpu.margin_quantile(scores, bias, real, top_k, q, interpret=True)
+      np.testing.assert_array_equal(_bits(got), _bits(got_xla))
 
 
 def test_all_padding_tokens_give_minus_infinity_on_both_paths():
@@ -87,6 +89,15 @@ def test_bad_input_is_named():
     pallas_gpu.Settings(rows=24)
   with pytest.raises(ValueError, match="chunk must be a power of two >= 16"):
     pallas_gpu.Settings(chunk=8)
+  with pytest.raises(ValueError, match="row_elements and resident must be powers of two"):
+    pallas_gpu.Settings(resident=1000)
+
+
+def test_tiles_keep_a_program_within_its_element_budget():
+  assert pallas_gpu.tiles(16384, 64) == (32, 16384)          # 32 rows × 64 experts; resident
+  assert pallas_gpu.tiles(16384, 896) == (4, 16384)          # 4 rows × 1024 (896 padded)
+  assert pallas_gpu.tiles(65536, 64) == (32, 1024)           # beyond `resident`: chunks
+  assert pallas_gpu.tiles(24, 8) is None
 
 
 def test_the_kernels_lower_to_two_triton_calls_for_the_gpu():
