@@ -8,8 +8,11 @@ QB bias update; state donated) on batches from the config's own data pipeline, a
 It is compiled once ahead of time (`step.lower(state, batch).compile()`, reported as compile_s:
 tracing + compiling) and that executable runs every step: one untimed first execution, then
 `--steps` steps timed each from the end of the previous one to the end of this one (the loss is
-fetched, so the device has finished). MFU = tokens/s × the train loop's model FLOPs per token /
-(device peak).
+fetched, so the device has finished). As in the train loop (k3train/train/loop.py), the next
+step's batch is prepared and the step dispatched before the current step's loss is read, so the
+host's work overlaps the device's ("timing": "next step in flight"); `--sync_each_step` times
+each step alone instead (batch, dispatch and run back to back: what the records up to and including
+the 2026-12-03 records measured). MFU = tokens/s × the train loop's model FLOPs per token / (device peak).
 
 Memory, per device, in GiB: `xla_memory_gib` is XLA's memory analysis of that executable
 (arguments, temporaries, outputs, aliased, code) with total = arguments + temporaries + outputs −
@@ -83,6 +86,9 @@ PARTS = ("optimizer", "moe_gmm", "router_qb", "router", "moe_dispatch_combine", 
 
 def define(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("steps", 10, "timed steps", lower_bound=1, flag_values=fv)
+  flags.DEFINE_bool("sync_each_step", False, "time each step alone: prepare its batch and "
+                    "dispatch it only after the previous step's loss is read (the default keeps "
+                    "the next step in flight, as the train loop does)", flag_values=fv)
   flags.DEFINE_integer("profile_steps", 2, "steps traced for the per-part profile (0: none)",
                        lower_bound=0, flag_values=fv)
   flags.DEFINE_string("variants", "", "extra config variants 'name:key=value,key=value;…' run "
@@ -574,21 +580,42 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   if profiler is not None:
     compile_row["lower_profile"] = python_profile(profiler)
 
-  def one_step(state, batch=None):
+  def dispatch(state, batch=None):
     if batch is None:
       batch = run.layout.global_batch(next(data))
-    state, m = compiled(state, batch)
+    return compiled(state, batch)
+
+  def read(m):
+    """The step's loss on the host (waits for the step), and its expert load with --moe_loads."""
     loss = float(np.asarray(m["loss"]))
     if fv.moe_loads and "moe_max_load" in m:
       loads.append(round(float(np.asarray(m["moe_max_load"])), 3))
-    return state, loss
+    return loss
+
+  def one_step(state, batch=None):
+    state, m = dispatch(state, batch)
+    return state, read(m)
 
   state, loss = one_step(state, batch)                       # first execution, not timed
   times = []
-  for _ in range(fv.steps):
-    t0 = time.perf_counter()
-    state, loss = one_step(state)
-    times.append(time.perf_counter() - t0)
+  if fv.sync_each_step:
+    for _ in range(fv.steps):
+      t0 = time.perf_counter()
+      state, loss = one_step(state)
+      times.append(time.perf_counter() - t0)
+  else:
+    # As the train loop: the next step is dispatched (its batch prepared, its launch queued)
+    # before the current step's loss is read, so host work overlaps the device's.
+    state, m = dispatch(state)
+    t0 = None
+    for i in range(fv.steps + 1):
+      state, m_next = dispatch(state)
+      loss = read(m)
+      now = time.perf_counter()
+      if t0 is not None:
+        times.append(now - t0)
+      t0, m = now, m_next
+    loss = read(m)                                           # drain the step in flight
   step_s = float(np.median(times))
   tokens = t.global_batch_size * cfg.data.seq_len
   tps = tokens / step_s
@@ -600,6 +627,7 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
     peak = {"peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
             "limit_gib": round(stats.get("bytes_limit", 0) / 2**30, 2)}
   row = {"name": name, "step_s": round(step_s, 4), "step_s_min": round(min(times), 4),
+         "timing": "each step alone" if fv.sync_each_step else "next step in flight",
          "tokens_per_step": tokens, "tokens_per_s": round(tps, 1),
          "mfu": round(metrics_lib.mfu(tps, size.flops_per_token, peak_flops, 1), 4),
          "peak_flops_per_device": peak_flops,
