@@ -11,8 +11,9 @@ tracing + compiling) and that executable runs every step: one untimed first exec
 fetched, so the device has finished). As in the train loop (k3train/train/loop.py), the next
 step's batch is prepared and the step dispatched before the current step's loss is read, so the
 host's work overlaps the device's ("timing": "next step in flight"); `--sync_each_step` times
-each step alone instead (batch, dispatch and run back to back: what the records up to and including
-the 2026-12-03 records measured). MFU = tokens/s × the train loop's model FLOPs per token / (device peak).
+each step alone instead (batch, dispatch and run back to back), as every record up to and
+including 2026-12-03 measured. MFU = tokens/s × the train loop's model FLOPs per token /
+(device peak).
 
 Memory, per device, in GiB: `xla_memory_gib` is XLA's memory analysis of that executable
 (arguments, temporaries, outputs, aliased, code) with total = arguments + temporaries + outputs −
