@@ -659,6 +659,14 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   return row
 
 
+def _busy_idle(row: dict) -> str:
+  """"busy/idle" device ms per step of a profiled row, "-" without a profile."""
+  p = row.get("profile") or {}
+  if "busy_ms_per_step" not in p:
+    return "-"
+  return f"{p['busy_ms_per_step']:.1f}/{p['idle_ms_per_step']:.1f}"
+
+
 def main(argv=None) -> int:
   args = cli.parse(argv, PROG, define=define, config_required=True)
   if args.exit_code is not None:
@@ -695,7 +703,7 @@ def main(argv=None) -> int:
     rows.append(row)
     print(json.dumps(row), flush=True)
   print(f"{'variant':<12} {'step ms':>9} {'tok/s':>9} {'MFU':>6} {'compile s':>9} {'peak GiB':>8} "
-        f"{'XLA GiB':>9} {'plan GiB':>9} {'plan/XLA':>8}")
+        f"{'XLA GiB':>9} {'plan GiB':>9} {'plan/XLA':>8} {'busy/idle ms':>14}")
   for r in rows:
     if "error" in r:
       print(f"{r['name']:<12} error: {r['error'][:80]}")
@@ -707,7 +715,7 @@ def main(argv=None) -> int:
           f"{r['compile_s']:>9.1f} {r.get('peak_gib', 0):>8.1f} "
           f"{'-' if xla is None else format(xla, '.4g'):>9} "
           f"{'-' if planned is None else format(planned, '.4g'):>9} "
-          f"{'-' if ratio is None else format(ratio, '.3f'):>8}")
+          f"{'-' if ratio is None else format(ratio, '.3f'):>8} {_busy_idle(r):>14}")
   return 0
 
 
