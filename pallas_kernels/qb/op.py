@@ -18,7 +18,8 @@ BACKENDS = ("auto", "xla", "pallas_gpu")
 
 
 def resolve_backend(backend: str, num_tokens: int | None = None) -> str:
-  """"auto": "pallas_gpu" on a single GPU when the kernels tile T = num_tokens, else "xla".
+  """"auto": "pallas_gpu" on a single GPU when its columns kernel holds T = num_tokens margins
+  in registers (T a power of two up to pallas_gpu.SETTINGS.resident), else "xla".
   With more than one device the token axis may be sharded, and only the XLA rounds (per-expert
   counts, all-reduced by the partitioner) see every shard. "pallas_gpu" off a GPU runs the
   kernels in interpret mode (tests)."""
@@ -27,7 +28,7 @@ def resolve_backend(backend: str, num_tokens: int | None = None) -> str:
   if backend != "auto":
     return backend
   if (jax.default_backend() == "gpu" and jax.device_count() == 1
-      and (num_tokens is None or pallas_gpu.supports(num_tokens))):
+      and (num_tokens is None or pallas_gpu.keeps_column(num_tokens))):
     return "pallas_gpu"
   return "xla"
 

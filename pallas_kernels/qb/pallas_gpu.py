@@ -9,7 +9,7 @@ the call is bound by launches. Here it is two kernels:
            token), written expert-major [E', T] so that the next kernel reads them contiguously;
   columns  one program per expert: the (q+1)-th largest of its T margins by the same radix
            selection, the column held in registers across the rounds (streamed in chunks per
-           round when T exceeds `resident`).
+           round when T exceeds `resident` or is not a power of two).
 
 Both select 4 bits per round (8 rounds) on the order-preserving uint32 image of the floats
 (xla.ordered_uint32). The answer is an element of the input and the only arithmetic is s + b and
@@ -81,16 +81,17 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 def tiles(num_tokens: int, num_experts: int = 1,
           settings: Settings | None = None) -> tuple[int, int] | None:
   """(rows, chunk) for T = num_tokens tokens and E experts: rows a power of two dividing T with
-  rows × E' <= row_elements (and <= the settings' rows); chunk = T when T <= resident (the
-  column stays in registers), else the largest power of two <= the settings' chunk dividing T.
-  None when T has no power-of-two divisor of 16 or more."""
+  rows × E' <= row_elements (and <= the settings' rows); chunk = T when T is a power of two
+  <= resident (the column stays in registers: Triton blocks are powers of two), else the largest
+  power of two <= the settings' chunk dividing T. None when T has no power-of-two divisor of
+  16 or more."""
   settings = settings or SETTINGS
   if _largest_pow2_divisor(num_tokens, 16) < 16:
     return None
   e_pad = 1 << max(num_experts - 1, 0).bit_length()
   rows = _largest_pow2_divisor(num_tokens, max(1, min(settings.rows,
                                                       settings.row_elements // e_pad)))
-  chunk = (num_tokens if num_tokens <= settings.resident
+  chunk = (num_tokens if _pow2(num_tokens) and num_tokens <= settings.resident
            else _largest_pow2_divisor(num_tokens, settings.chunk))
   return rows, chunk
 
@@ -98,6 +99,13 @@ def tiles(num_tokens: int, num_experts: int = 1,
 def supports(num_tokens: int, settings: Settings | None = None) -> bool:
   """Whether the kernels tile T = num_tokens tokens."""
   return tiles(num_tokens, 1, settings) is not None
+
+
+def keeps_column(num_tokens: int, settings: Settings | None = None) -> bool:
+  """Whether the columns kernel holds an expert's T = num_tokens margins in registers (the fast
+  form; streaming them every round was slower than XLA: benchmarks/qb_bisection.md)."""
+  t = tiles(num_tokens, 1, settings)
+  return t is not None and t[1] == num_tokens
 
 
 def _shift(round_index):

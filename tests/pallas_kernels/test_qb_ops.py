@@ -97,18 +97,22 @@ def test_tiles_keep_a_program_within_its_element_budget():
   assert pallas_gpu.tiles(16384, 64) == (32, 16384)          # 32 rows × 64 experts; resident
   assert pallas_gpu.tiles(16384, 896) == (4, 16384)          # 4 rows × 1024 (896 padded)
   assert pallas_gpu.tiles(65536, 64) == (32, 1024)           # beyond `resident`: chunks
+  assert pallas_gpu.tiles(96, 12) == (32, 32)                # not a power of two: chunks
   assert pallas_gpu.tiles(24, 8) is None
+  assert pallas_gpu.keeps_column(16384) and not pallas_gpu.keeps_column(96)
+  assert not pallas_gpu.keeps_column(65536)
 
 
 def test_the_kernels_lower_to_two_triton_calls_for_the_gpu():
-  """Both kernels pass Pallas' Triton lowering (what a GPU compiles), at a power-of-two and a
-  padded expert count."""
+  """Both kernels pass Pallas' Triton lowering (what a GPU compiles; its blocks must be powers
+  of two): power-of-two and padded expert counts, a resident column, and streamed columns of a
+  long and of a non-power-of-two T."""
   fn = jax.jit(lambda s, b, r, q: pallas_gpu._launch(s, b, r, q, top_k=8, interpret=False,
                                                      settings=pallas_gpu.SETTINGS))
-  for e in (64, 896):
+  for t, e in ((4096, 64), (4096, 896), (65536, 64), (24576, 12), (96, 12)):
     exported = export.export(
         fn, platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            jax.ShapeDtypeStruct((4096, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32),
-            jax.ShapeDtypeStruct((4096,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
+            jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32),
+            jax.ShapeDtypeStruct((t,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
     assert exported.mlir_module().count("xla.gpu.triton") == 2
