@@ -62,7 +62,7 @@ def with_partial(blocks_nbtd: jax.Array, num_blocks: jax.Array, p_btd: jax.Array
   return jax.lax.dynamic_update_index_in_dim(room, p_btd, num_blocks, axis=0)
 
 
-def maybe_start_block(stream, layer_index: jax.Array, block_size: int):
+def maybe_start_block(stream, layer_index: jax.Array | int, block_size: int):
   """At a block start (layer_index % block_size == 0) close the running sum into the block list.
 
   Touches one slot of the buffer (an in-place update inside a scan), not the whole buffer, and so
