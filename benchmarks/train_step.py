@@ -609,7 +609,7 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
     # before the current step's loss is read, so host work overlaps the device's.
     state, m = dispatch(state)
     t0 = None
-    for i in range(fv.steps + 1):
+    for _ in range(fv.steps + 1):
       state, m_next = dispatch(state)
       loss = read(m)
       now = time.perf_counter()

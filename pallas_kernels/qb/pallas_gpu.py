@@ -1,8 +1,8 @@
 """Quantile Balancing's order statistics as two Pallas-Triton (GPU) kernels.
 
-XLA runs one QB call (xla.margin_quantile) as about thirty small kernels: a sort per token for
-the top-(k+1) cutoff, then a count and an update per radix round, each a few microseconds, so
-the call is bound by launches. Here it is two kernels:
+XLA runs one QB call (xla.margin_quantile) as about thirty kernels: a sort per token for the
+top-(k+1) cutoff (most of the call's time at 896 experts), then a count and an update per radix
+round. Here it is two kernels:
 
   rows     one program per `rows` tokens: each token's (k+1)-th largest biased score s + b by
            radix selection over its experts, then its margins s − cutoff (−inf for a padding
@@ -78,6 +78,11 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
   return p
 
 
+def _padded(num_experts: int) -> int:
+  """E', the power of two at or above E that the rows kernel's blocks span."""
+  return 1 << max(num_experts - 1, 0).bit_length()
+
+
 def tiles(num_tokens: int, num_experts: int = 1,
           settings: Settings | None = None) -> tuple[int, int] | None:
   """(rows, chunk) for T = num_tokens tokens and E experts: rows a power of two dividing T with
@@ -88,9 +93,8 @@ def tiles(num_tokens: int, num_experts: int = 1,
   settings = settings or SETTINGS
   if _largest_pow2_divisor(num_tokens, 16) < 16:
     return None
-  e_pad = 1 << max(num_experts - 1, 0).bit_length()
-  rows = _largest_pow2_divisor(num_tokens, max(1, min(settings.rows,
-                                                      settings.row_elements // e_pad)))
+  row_cap = max(1, min(settings.rows, settings.row_elements // _padded(num_experts)))
+  rows = _largest_pow2_divisor(num_tokens, row_cap)
   chunk = (num_tokens if _pow2(num_tokens) and num_tokens <= settings.resident
            else _largest_pow2_divisor(num_tokens, settings.chunk))
   return rows, chunk
@@ -108,9 +112,20 @@ def keeps_column(num_tokens: int, settings: Settings | None = None) -> bool:
   return t is not None and t[1] == num_tokens
 
 
-def _shift(round_index):
-  """Bit position of round `round_index`'s digit (most significant first), as uint32."""
-  return (32 - DIGIT_BITS * (round_index + 1)).astype(jnp.uint32)
+def _radix_select(count_at_or_above, need, ans):
+  """The largest u (uint32, shaped like `ans`, which starts at zeros) with
+  count_at_or_above(u) >= need, 4 bits per round, most significant first. Counts fall as the
+  candidate digit grows, so a round's digit is the number of non-zero digits whose count
+  reaches `need`."""
+  def one_round(r, ans):
+    shift = (32 - DIGIT_BITS * (r + 1)).astype(jnp.uint32)
+    digit = jnp.zeros(jnp.shape(ans), jnp.int32)
+    for c in range(1, 2 ** DIGIT_BITS):
+      cand = ans | jnp.left_shift(jnp.uint32(c), shift)
+      digit = digit + (count_at_or_above(cand) >= need).astype(jnp.int32)
+    return ans | jnp.left_shift(digit.astype(jnp.uint32), shift)
+
+  return jax.lax.fori_loop(0, ROUNDS, one_round, ans)
 
 
 def _rows_kernel(scores_ref, bias_ref, real_ref, margins_ref, *, rows: int, need: int):
@@ -120,16 +135,8 @@ def _rows_kernel(scores_ref, bias_ref, real_ref, margins_ref, *, rows: int, need
   s = scores_ref[ts, :]                                      # [rows, E'] fp32
   u = xla.ordered_uint32(s + bias_ref[...][None, :])
 
-  def one_round(r, ans):                                     # ans [rows] uint32
-    shift = _shift(r)
-    digit = jnp.zeros((rows,), jnp.int32)
-    for c in range(1, 2 ** DIGIT_BITS):                      # counts fall as the digit grows
-      cand = ans | jnp.left_shift(jnp.uint32(c), shift)
-      count = jnp.sum((u >= cand[:, None]).astype(jnp.int32), axis=1)
-      digit = digit + (count >= need).astype(jnp.int32)
-    return ans | jnp.left_shift(digit.astype(jnp.uint32), shift)
-
-  ans = jax.lax.fori_loop(0, ROUNDS, one_round, jnp.zeros((rows,), jnp.uint32))
+  ans = _radix_select(lambda cand: jnp.sum((u >= cand[:, None]).astype(jnp.int32), axis=1),
+                      need, jnp.zeros((rows,), jnp.uint32))
   cutoff = xla.from_ordered_uint32(ans)
   real = real_ref[ts] != 0
   margin = jnp.where(real[:, None], s - cutoff[:, None], -jnp.inf)
@@ -155,15 +162,7 @@ def _columns_kernel(margins_ref, need_ref, beta_ref, *, num_tokens: int, chunk: 
       return total + jnp.sum((u >= cand).astype(jnp.int32))
     return jax.lax.fori_loop(0, num_tokens // chunk, one_chunk, jnp.int32(0))
 
-  def one_round(r, ans):                                     # ans: uint32 scalar
-    shift = _shift(r)
-    digit = jnp.int32(0)
-    for c in range(1, 2 ** DIGIT_BITS):                      # counts fall as the digit grows
-      cand = ans | jnp.left_shift(jnp.uint32(c), shift)
-      digit = digit + (count_at_or_above(cand) >= need).astype(jnp.int32)
-    return ans | jnp.left_shift(digit.astype(jnp.uint32), shift)
-
-  ans = jax.lax.fori_loop(0, ROUNDS, one_round, jnp.uint32(0))
+  ans = _radix_select(count_at_or_above, need, jnp.uint32(0))
   beta_ref[...] = jnp.broadcast_to(xla.from_ordered_uint32(ans), (1,))
 
 
@@ -188,7 +187,7 @@ def margin_quantile(scores_te, bias_e, real_t, top_k: int, q, *, interpret: bool
 def _launch(scores_te, bias_e, real_t, q, *, top_k: int, interpret: bool, settings: Settings):
   t, e = scores_te.shape
   rows, chunk = tiles(t, e, settings)
-  e_pad = 1 << max(e - 1, 0).bit_length()
+  e_pad = _padded(e)
   scores = scores_te.astype(F32)
   bias = bias_e.astype(F32)
   if e_pad != e:
