@@ -240,11 +240,41 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(cfg.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _require(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   layer_schedule(m)  # raises ConfigError when the layer pattern cannot be scanned
+  xla_options(t.xla_options)     # raises ConfigError on a malformed entry
   _validate_eval(cfg.eval)
   _validate_metrics(cfg)
   if t.use_stages:
     stages(cfg)       # raises ConfigError naming the stage and the key
   return cfg
+
+
+def xla_options(text: str) -> dict:
+  """train.xla_options 'name=value name=value' → {name: value} for jax.jit's compiler_options.
+
+  Values "true" / "false" become bools, integer and float literals numbers, anything else stays
+  text (e.g. an enum list such as "FUSION,CUBLAS"). Every name must start with "xla_"; whether
+  the XLA build knows it is checked when the step compiles (XLA names an unknown option)."""
+  options = {}
+  for item in text.split():
+    name, eq, value = item.partition("=")
+    _require(bool(eq) and bool(name) and bool(value), "train.xla_options",
+             f"entries must be name=value separated by spaces; got {item!r}")
+    _require(name.startswith("xla_"), "train.xla_options",
+             f"{name!r} is not an XLA option (names start with 'xla_')")
+    _require(name not in options, "train.xla_options", f"{name!r} is given twice")
+    options[name] = _typed_option(value)
+  return options
+
+
+def _typed_option(value: str):
+  if value.lower() in ("true", "false"):
+    return value.lower() == "true"
+  for kind in (int, float):
+    try:
+      return kind(value)
+    except ValueError:
+      pass
+  return value
 
 
 def _validate_loss_chunk(cfg: ml_collections.ConfigDict) -> None:

@@ -144,6 +144,10 @@ def k3_full() -> ml_collections.ConfigDict:
   t.loss_chunk_tokens = 0
   t.steps = 1_000_000
   t.log_every = 10
+  # XLA compiler options for the train step only, 'name=value' pairs separated by spaces, e.g.
+  # "xla_gpu_enable_dynamic_slice_fusion=true" (jax.jit's compiler_options; values true / false,
+  # integers and floats are typed, anything else stays text). "": XLA's defaults.
+  t.xla_options = ""
   t.peak_flops_per_device = 0.0     # MFU's peak; 0: by device kind (train/metrics.py PEAK_BF16_FLOPS)
   # The staged context curriculum (docs/maths.md §9), run in one process when use_stages is True:
   # an ordered tuple of `curriculum_stage(...)` entries (README "Curriculum"). The run ends at

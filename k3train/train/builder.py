@@ -21,6 +21,7 @@ import ml_collections
 import optax
 from flax import nnx
 
+from k3train import config as config_lib
 from k3train.model import counting
 from k3train.model.decoder import abstract_model
 from k3train.optim.optimizer import make_optimizer
@@ -104,7 +105,8 @@ def with_mtp_metrics(train_step: Callable) -> Callable:
 
 def jit_train_step(cfg, graphdef, optimizer, layout: layout_lib.Layout, shardings: TrainState):
   """The train step jitted with explicit shardings on `layout` (the state is donated)."""
-  return layout.jit_step(train_step_fn(cfg, graphdef, optimizer), shardings)
+  return layout.jit_step(train_step_fn(cfg, graphdef, optimizer), shardings,
+                         compiler_options=config_lib.xla_options(cfg.train.xla_options))
 
 
 @dataclasses.dataclass

@@ -68,17 +68,19 @@ class Layout:
     """Context in which model code traces against this mesh and rule table."""
     return rules_lib.activate(self.mesh, self.rules, **self.options)
 
-  def jit_step(self, step_fn, shardings):
+  def jit_step(self, step_fn, shardings, compiler_options: dict | None = None):
     """`step_fn(state, batch) -> (state, metrics)` jitted with explicit state / batch / metric
     shardings, the state donated. The model is traced inside `activate()`, so its logical
-    constraints and the expert- and sequence-parallel ops see the mesh."""
+    constraints and the expert- and sequence-parallel ops see the mesh. compiler_options: XLA
+    options for this executable only (`config.xla_options`)."""
     def sharded_step(state, batch):
       with self.activate():
         return step_fn(state, batch)
 
     batch_sh = {**{k: self.batch for k in state_sharding.BATCH_KEYS_2D}, **self.vision}
     return jax.jit(sharded_step, in_shardings=(shardings, batch_sh),
-                   out_shardings=(shardings, self.replicated), donate_argnums=0)
+                   out_shardings=(shardings, self.replicated), donate_argnums=0,
+                   compiler_options=compiler_options or None)
 
 
 def make_layout(cfg: ml_collections.ConfigDict, devices=None) -> Layout:
