@@ -110,18 +110,25 @@ def define(fv: flags.FlagValues) -> None:
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:
-  """'bf16:model.x=1,optim.y=adamw;f32:model.x=0' → [(name, {dotted key: value text})]."""
+  """'bf16:model.x=1,optim.y=adamw;f32:model.x=0' → [(name, {dotted key: value text})].
+
+  A piece without "=" continues the previous value, so a value may hold commas:
+  'cb:train.xla_options=xla_gpu_enable_command_buffer=FUSION,WHILE' sets one key."""
   out = []
   for item in filter(None, (v.strip() for v in text.split(";"))):
     name, _, body = item.partition(":")
     if not body:
       raise ValueError(f"--variants entry {item!r}: expected name:key=value[,key=value]")
-    pairs = {}
+    pairs, key = {}, None
     for kv in body.split(","):
-      key, eq, value = kv.partition("=")
+      k, eq, value = kv.partition("=")
       if not eq:
-        raise ValueError(f"--variants entry {item!r}: {kv!r} is not key=value")
-      pairs[key.strip()] = value.strip()
+        if key is None:
+          raise ValueError(f"--variants entry {item!r}: {kv!r} is not key=value")
+        pairs[key] += "," + kv.strip()
+        continue
+      key = k.strip()
+      pairs[key] = value.strip()
     out.append((name.strip(), pairs))
   return out
 

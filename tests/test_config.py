@@ -275,3 +275,25 @@ def test_attn_res_backend_must_be_known():
   cfg.model.attn_res.backend = "triton"
   with pytest.raises(config_lib.ConfigError, match="model.attn_res.backend"):
     config_lib.validate(cfg)
+
+
+# ----------------------------------------------------------------------------- train.xla_options
+
+
+def test_xla_options_are_typed_name_value_pairs():
+  got = config_lib.xla_options("xla_gpu_enable_dynamic_slice_fusion=true xla_gpu_autotune_level=2 "
+                               "xla_gpu_enable_command_buffer=FUSION,WHILE xla_x=0.5")
+  assert got == {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_autotune_level": 2,
+                 "xla_gpu_enable_command_buffer": "FUSION,WHILE", "xla_x": 0.5}
+  assert config_lib.xla_options("") == {}
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("xla_gpu_autotune_level", "name=value"),
+    ("=1", "name=value"),
+    ("gpu_autotune_level=1", "not an XLA option"),
+    ("xla_a=1 xla_a=2", "given twice"),
+])
+def test_malformed_xla_options_are_named(text, fragment):
+  expect_error(rebuilt(k3_tiny.get_config(), "train", "xla_options", text),
+               "train.xla_options", fragment)

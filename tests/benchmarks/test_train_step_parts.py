@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import jax
+import pytest
 import jax.numpy as jnp
 from flax import nnx
 
@@ -166,3 +167,14 @@ def test_idle_profile_charges_each_gap_to_the_op_that_ends_it():
   assert [g["before"] for g in out["longest_gaps"]] == ["c", "b"]
   assert out["longest_gaps"][0]["ms"] == 55.0
   assert train_step.idle_profile([], parts.__getitem__, steps=1) == {}
+
+
+def test_variants_keep_commas_inside_a_value():
+  parse = _script().parse_variants
+  got = parse("cb:train.xla_options=xla_gpu_enable_command_buffer=FUSION,WHILE,model.dtype=float32;"
+              "two:a.b=1,c.d=x")
+  assert got == [("cb", {"train.xla_options": "xla_gpu_enable_command_buffer=FUSION,WHILE",
+                         "model.dtype": "float32"}),
+                 ("two", {"a.b": "1", "c.d": "x"})]
+  with pytest.raises(ValueError, match="is not key=value"):
+    parse("bad:novalue,a=1")
