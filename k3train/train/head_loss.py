@@ -114,35 +114,11 @@ def _chunk_logits(x_bcd, w_dv, dtype):
   return constrain(logits, ax.BATCH, ax.SEQ, ax.VOCAB)
 
 
-def _max_and_scaled_sum(a, b):
-  """Combine two partial (max m, Σ e^(x − m)) pairs of an online log-sum-exp (one exp)."""
-  (m_a, s_a), (m_b, s_b) = a, b
-  a_wins = m_a >= m_b
-  big, small = jnp.maximum(m_a, m_b), jnp.minimum(m_a, m_b)
-  rescale = jnp.where(small == -jnp.inf, 0.0, jnp.exp(small - big))   # both −inf: no NaN
-  return big, jnp.where(a_wins, s_a, s_b) + jnp.where(a_wins, s_b, s_a) * rescale
-
-
-def logsumexp_one_pass(x: jax.Array) -> jax.Array:
-  """log Σ exp(x) over the last axis in one read of x (an online max and rescaled sum as one
-  variadic reduction), instead of the max pass and the sum pass of `jax.nn.logsumexp`. For the
-  [B, c, V] fp32 logits that saves a full read of them. Not differentiable (no JVP rule for a
-  custom reduction); the fused loss has its own VJP."""
-  zero = jnp.zeros((), x.dtype)
-  m, s = jax.lax.reduce((x, jnp.ones_like(x)), (zero - jnp.inf, zero), _max_and_scaled_sum,
-                        (x.ndim - 1,))
-  return m + jnp.log(s)
-
-
 def _chunk_ce(logits_bcv, targets_bc):
-  """(per-token cross-entropy [B, c], log-normaliser [B, c], target one-hot [B, c, V]), fp32.
-
-  The target logit is gathered, not summed out of a masked [B, c, V] copy; the one-hot only
-  feeds the gradient's (softmax − one-hot), which XLA fuses into that pass."""
-  logz_bc = logsumexp_one_pass(logits_bcv)
+  """(per-token cross-entropy [B, c], log-normaliser [B, c], target one-hot [B, c, V]), fp32."""
+  logz_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
   onehot_bcv = jax.lax.broadcasted_iota(jnp.int32, logits_bcv.shape, 2) == targets_bc[..., None]
-  target_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None].astype(jnp.int32), axis=-1,
-                                  mode="clip")[..., 0]
+  target_bc = jnp.sum(jnp.where(onehot_bcv, logits_bcv, 0.0), axis=-1)
   return logz_bc - target_bc, logz_bc, onehot_bcv
 
 
