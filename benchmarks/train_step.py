@@ -31,7 +31,11 @@ finite check); a fusion without metadata takes that of the first located instruc
 The profile also reports when the device ran nothing (`idle_ms_per_step` beside
 `busy_ms_per_step`, between the first op traced and the last): each gap is charged to the part
 of the op that ends it (`idle_by_part_ms_per_step`, `longest_gaps`), which separates launch
-latency and host waits from slow kernels.
+latency and host waits from slow kernels. On the GPU the profiled steps run a second executable
+of the same lowered step compiled without CUDA graphs (`xla_gpu_enable_command_buffer=""`), whose
+replays would show as one opaque op; the timed steps keep the runtime's CUDA graphs, so timing
+and profile no longer share an executable (`profile.executable` says which ran;
+`--profile_timed_executable` profiles the timed one instead, with no second compile).
 Ops in none of the scopes (embedding, elementwise glue, buffer initialisation, the step's
 bookkeeping) are "other". `--variants='name:key=value,key=value;…'` runs the same measurement for
 config variants in the same process (one JSON line each), so a baseline and a change are timed on
@@ -92,6 +96,9 @@ def define(fv: flags.FlagValues) -> None:
                     "the next step in flight, as the train loop does)", flag_values=fv)
   flags.DEFINE_integer("profile_steps", 2, "steps traced for the per-part profile (0: none)",
                        lower_bound=0, flag_values=fv)
+  flags.DEFINE_bool("profile_timed_executable", False, "profile the timed executable itself "
+                    "instead of one compiled without CUDA graphs (no second compile; on the GPU "
+                    "the kernels a graph replays then show as one op)", flag_values=fv)
   flags.DEFINE_string("variants", "", "extra config variants 'name:key=value,key=value;…' run "
                       "after the base config in the same process", flag_values=fv)
   flags.DEFINE_bool("moe_loads", False, "report the worst-layer max/mean expert load per step",
@@ -107,6 +114,25 @@ def define(fv: flags.FlagValues) -> None:
                     "the functions taking longest (lower_profile)", flag_values=fv)
   flags.DEFINE_bool("compile_profile", False, "trace the host while the step compiles and report "
                     "XLA's compile phases (compile_events)", flag_values=fv)
+
+
+# The profiled executable's extra XLA options, by backend. A CUDA graph (XLA's command buffer)
+# replays its kernels as one opaque op, so on the GPU the profile traces a second executable of
+# the same lowered step compiled without them; the timed executable keeps the runtime's defaults.
+PROFILE_COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": ""}}
+
+
+def profile_executable(lowered, compiled, hlo_text: str, backend: str, use_timed: bool):
+  """(executable to profile, its HLO text, which one it is): `compiled` itself with use_timed or
+  where the backend needs no other options, else `lowered` compiled again with the backend's
+  PROFILE_COMPILER_OPTIONS."""
+  extra = PROFILE_COMPILER_OPTIONS.get(backend)
+  if use_timed or not extra:
+    return compiled, hlo_text, "the timed one"
+  t0 = time.perf_counter()
+  profiled = lowered.compile(compiler_options=extra)
+  return (profiled, profiled.as_text() or "",
+          f"compiled apart with {extra} in {time.perf_counter() - t0:.1f} s")
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:
@@ -646,19 +672,24 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   if fv.profile_steps:
     trace_dir = fv.trace_dir or tempfile.mkdtemp(prefix="k3_trace_")
     trace_dir = os.path.join(trace_dir, name)
-    if not hlo_text:
+    profiled, profiled_hlo, executable = profile_executable(
+        lowered, compiled, hlo_text, jax.default_backend(), fv.profile_timed_executable)
+    if not profiled_hlo:
       row["hlo_error"] = "the compiled step has no HLO text"
     with jax.profiler.trace(trace_dir):
       for _ in range(fv.profile_steps):
-        state, loss = one_step(state)
+        state, m = profiled(state, run.layout.global_batch(next(data)))
+        loss = read(m)
     try:
       dump_prefix = ""
       if fv.dump_dir:
         os.makedirs(fv.dump_dir, exist_ok=True)
         dump_prefix = os.path.join(fv.dump_dir, name)
-      row["profile"] = part_profile(trace_dir, hlo_text, fv.profile_steps, dump_prefix)
+      row["profile"] = part_profile(trace_dir, profiled_hlo, fv.profile_steps, dump_prefix)
     except Exception as e:                                   # noqa: BLE001
       row["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    row["profile"]["executable"] = executable
+    del profiled
   if loads:
     row["moe_max_load"] = {"all": loads, "max_after_10": max(loads[10:], default=None),
                            "mean": round(float(np.mean(loads)), 3)}
@@ -678,10 +709,6 @@ def main(argv=None) -> int:
   args = cli.parse(argv, PROG, define=define, config_required=True)
   if args.exit_code is not None:
     return args.exit_code
-  if args.flags.profile_steps and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
-    # CUDA graphs hide the ops they replay from the profiler: with a profile, every variant runs
-    # (and is timed) without them.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
   xla_dump = ""
   if args.flags.memory_report:
     # XLA reads its flags once, when the backend starts: set before jax is imported.

@@ -178,3 +178,22 @@ def test_variants_keep_commas_inside_a_value():
                  ("two", {"a.b": "1", "c.d": "x"})]
   with pytest.raises(ValueError, match="is not key=value"):
     parse("bad:novalue,a=1")
+
+
+def test_the_profile_runs_its_own_executable_where_the_backend_asks(monkeypatch):
+  """With options for the backend, the profiled executable is a second compile of the same
+  lowered step with them (here: a CPU option that keeps the HLO, so the profile's op names
+  still come from the executable it traces); without, or when asked, the timed one."""
+  script = _script()
+  lowered = jax.jit(lambda x: jnp.tanh(x) * 2.0).lower(jnp.ones((8,), jnp.float32))
+  compiled = lowered.compile()
+  same = script.profile_executable(lowered, compiled, "hlo", "cpu", use_timed=False)
+  assert same == (compiled, "hlo", "the timed one")
+  monkeypatch.setitem(script.PROFILE_COMPILER_OPTIONS, "cpu",
+                      {"xla_llvm_disable_expensive_passes": True})
+  exe, hlo, which = script.profile_executable(lowered, compiled, "hlo", "cpu", use_timed=False)
+  assert exe is not compiled and which.startswith("compiled apart with")
+  assert "tanh" in hlo
+  assert float(exe(jnp.ones((8,), jnp.float32))[0]) == float(compiled(jnp.ones((8,), jnp.float32))[0])
+  assert script.profile_executable(lowered, compiled, "hlo", "cpu", use_timed=True)[2] == "the timed one"
+  assert script.PROFILE_COMPILER_OPTIONS["gpu"] == {"xla_gpu_enable_command_buffer": ""}
