@@ -31,3 +31,15 @@ def quick(cfg):
 def quick_flags() -> list[str]:
   """QUICK_MODEL as command-line overrides for `python -m k3train.main --config=configs/k3_tiny.py`."""
   return [f"--config.{dotted}={value}" for dotted, value in QUICK_MODEL.items()]
+
+
+def one_layer_tiny(seq_len: int, global_batch_size: int):
+  """k3_tiny cut to one MLA layer with the dense FFN and no MTP head, at the given batch and
+  sequence length (not validated: callers set more keys first)."""
+  cfg = k3_tiny.get_config()
+  cfg.model.num_layers = 1
+  cfg.model.mla_layers = (1,)
+  cfg.model.mtp.enabled = False
+  cfg.data.seq_len = seq_len
+  cfg.train.global_batch_size = global_batch_size
+  return cfg

@@ -165,14 +165,9 @@ def test_fused_head_loss_equals_the_logits_loss(corpus):
   and overall, to 1e-6 relative (the two sum the same fp32 terms in another order)."""
   from k3train import config as config_lib
   from k3train.model import decoder
-  from tests.configs import k3_tiny
+  from tests.configs import one_layer_tiny
   spec, valid = corpus
-  cfg = k3_tiny.get_config()
-  cfg.model.num_layers = 1
-  cfg.model.mla_layers = (1,)
-  cfg.model.mtp.enabled = False
-  cfg.data.seq_len = 32
-  cfg.train.global_batch_size = 4
+  cfg = one_layer_tiny(seq_len=32, global_batch_size=4)
   cfg.train.loss_chunk_tokens = 8              # 4 chunks of 8 positions per row
   cfg = config_lib.validate(cfg)
   assert cfg.model.dtype == "float32"

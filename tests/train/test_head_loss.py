@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.configs import k3_tiny
+from tests.configs import k3_tiny, one_layer_tiny
 from k3train import config as config_lib
 from k3train import defaults
 from k3train.model import decoder
@@ -220,12 +220,8 @@ def _tiny_config(loss_chunk_tokens, mtp=False):
   ≲ ε into update differences of ~1e-4 of the learning rate; ε = 1e-2 (above every gradient
   here) makes the update a smooth function of the gradient, |δ update| ≤ lr · |δg| / ε, so the
   parameters compare the two heads' gradients."""
-  cfg = k3_tiny.get_config()
-  cfg.model.num_layers = 1
-  cfg.model.mla_layers = (1,)
+  cfg = one_layer_tiny(seq_len=TT, global_batch_size=BT)
   cfg.model.mtp.enabled = mtp
-  cfg.train.global_batch_size = BT
-  cfg.data.seq_len = TT
   cfg.optim.warmup_steps = 0          # the full learning rate on the first step
   cfg.optim.adam_eps = 1e-2
   cfg.train.loss_chunk_tokens = loss_chunk_tokens

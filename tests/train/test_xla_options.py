@@ -6,18 +6,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.configs import k3_tiny
+from tests.configs import one_layer_tiny
 from k3train import config as config_lib
 from k3train.train import builder
 
 
 def _one_layer(xla_options: str):
-  cfg = k3_tiny.get_config()
-  cfg.model.num_layers = 1
-  cfg.model.mla_layers = (1,)
-  cfg.model.mtp.enabled = False
-  cfg.train.global_batch_size = 2
-  cfg.data.seq_len = 32
+  cfg = one_layer_tiny(seq_len=32, global_batch_size=2)
   cfg.train.xla_options = xla_options
   return config_lib.validate(cfg)
 
