@@ -49,6 +49,11 @@ step, `kernels_by_part` the same by part: what the backend compiles and tunes on
 `--compile_profile` traces the host during the compile (Python tracer off) and reports
 `compile_events`: the longest named host activities of XLA's compiler (passes, autotuning,
 LLVM and PTX compilation), inclusive seconds and counts, so compile time can be taken apart.
+`--compile_only` lowers and compiles the step for the state as shapes (with their shardings;
+nothing initialised, no step run) and reports the same compile and memory fields: compile
+experiments without the model's initialisation. Every run also prints "<variant>: compiled in …"
+on stderr as soon as the step has compiled. A second compile in one process reuses XLA's
+autotuning results, so compile times compare only as each process's first compile.
 `--lower_profile` runs tracing and lowering under cProfile and reports `lower_profile`: the
 functions with the most cumulative and the most own time (seconds, calls, file:line(name)).
 
@@ -96,6 +101,10 @@ def define(fv: flags.FlagValues) -> None:
                     "the next step in flight, as the train loop does)", flag_values=fv)
   flags.DEFINE_integer("profile_steps", 2, "steps traced for the per-part profile (0: none)",
                        lower_bound=0, flag_values=fv)
+  flags.DEFINE_bool("compile_only", False, "lower and compile the step for a state of shapes "
+                    "only (nothing initialised, no step run) and report compile time, kernels "
+                    "and memory; compile times compare only as each process's first compile "
+                    "(XLA keeps autotuning results in memory)", flag_values=fv)
   flags.DEFINE_bool("profile_timed_executable", False, "profile the timed executable itself "
                     "instead of one compiled without CUDA graphs (no second compile; on the GPU "
                     "the kernels a graph replays then show as one op)", flag_values=fv)
@@ -120,6 +129,19 @@ def define(fv: flags.FlagValues) -> None:
 # replays its kernels as one opaque op, so on the GPU the profile traces a second executable of
 # the same lowered step compiled without them; the timed executable keeps the runtime's defaults.
 PROFILE_COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": ""}}
+
+
+def abstract_run(cfg):
+  """`builder.build(cfg)`'s Run with the state as ShapeDtypeStructs carrying their shardings
+  (`builder.restore_target`): enough to lower and compile the step, nothing initialised."""
+  from k3train.optim.optimizer import make_optimizer
+  from k3train.train import builder
+  from k3train.train import layout as layout_lib
+  layout = layout_lib.make_layout(cfg)
+  graphdef, state_like, shardings = builder.restore_target(cfg, layout)
+  optimizer = make_optimizer(cfg, state_like.params)
+  step = builder.jit_train_step(cfg, graphdef, optimizer, layout, shardings)
+  return builder.Run(cfg, layout, optimizer, graphdef, state_like, shardings, step)
 
 
 def profile_executable(lowered, compiled, hlo_text: str, backend: str, use_timed: bool):
@@ -570,10 +592,15 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   from k3train.train import metrics as metrics_lib
 
   t = cfg.train
-  run = builder.build(cfg)
-  size = builder.model_size(cfg)
   data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
                                      process_index=0, process_count=1)
+  if fv.compile_only:
+    # The state as shapes with their shardings: nothing initialised, nothing allocated but the
+    # batch; the step lowers and compiles exactly as for the concrete state.
+    run = abstract_run(cfg)
+  else:
+    run = builder.build(cfg)
+  size = builder.model_size(cfg)
   state = run.state
   loads = []
 
@@ -613,6 +640,18 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
     compile_row["compile_events"] = compile_events(compile_trace)
   if profiler is not None:
     compile_row["lower_profile"] = python_profile(profiler)
+  # On stderr at once, so that a run stopped during its steps still says how long it compiled.
+  print(f"{name}: compiled in {compile_s:.1f} s (trace + lower {compile_row['trace_lower_s']} s, "
+        f"XLA {compile_row['backend_compile_s']} s), {compile_row['kernels']} kernels",
+        file=sys.stderr, flush=True)
+  if fv.compile_only:
+    row = {"name": name, "compile_only": True, "tokens_per_step": t.global_batch_size * cfg.data.seq_len,
+           "compile_s": round(compile_s, 1), **compile_row,
+           **memory_row(compiled, cfg, jax.device_count())}
+    if xla_dump:
+      row.update(memory_report(xla_dump, hlo_text))
+    del compiled, lowered, run
+    return row
 
   def dispatch(state, batch=None):
     if batch is None:
@@ -745,7 +784,9 @@ def main(argv=None) -> int:
     xla = (r.get("xla_memory_gib") or {}).get("total")
     planned = (r.get("plan_memory_gib") or {}).get("total")
     ratio = r.get("plan_vs_xla")
-    print(f"{r['name']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} "
+    timed = (f"{1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f}"
+             if "step_s" in r else f"{'-':>9} {'-':>9} {'-':>6}")
+    print(f"{r['name']:<12} {timed} "
           f"{r['compile_s']:>9.1f} {r.get('peak_gib', 0):>8.1f} "
           f"{'-' if xla is None else format(xla, '.4g'):>9} "
           f"{'-' if planned is None else format(planned, '.4g'):>9} "

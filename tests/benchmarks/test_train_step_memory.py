@@ -90,3 +90,24 @@ def test_plan_and_xla_agree(output):
   assert float(cells[-3]) == pytest.approx(planned["total"], rel=1e-3)
   assert float(cells[-2]) == pytest.approx(row["plan_vs_xla"], abs=1e-3)
   assert cells[-1] == "-" or "busy_ms_per_step" in row["profile"]
+
+
+@pytest.mark.slow
+def test_compile_only_compiles_the_same_step(output):
+  """--compile_only lowers the step for the state as shapes (nothing initialised, no step run):
+  XLA's memory analysis of that executable equals the concrete run's, term by term, so it is
+  the same program, and the row has compile fields but no timing."""
+  import contextlib
+  import io
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    code = _load_script().main([*ARGV, "--compile_only"])
+  lines = buf.getvalue().splitlines()
+  assert code == 0, lines
+  row, = [json.loads(line) for line in lines if line.startswith("{")]
+  assert "error" not in row, row.get("error")
+  assert row["compile_only"] and "step_s" not in row and row["compile_s"] > 0
+  concrete, _ = output
+  assert row["xla_memory_gib"] == concrete["xla_memory_gib"]
+  assert row["kernels"] == concrete["kernels"]
+  assert row["plan_memory_gib"]["total"] == concrete["plan_memory_gib"]["total"]
