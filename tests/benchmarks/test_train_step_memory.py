@@ -27,19 +27,23 @@ def _load_script():
   return scripts.load("train_step")
 
 
-@pytest.fixture(scope="module")
-def output():
+def _run(argv):
   """(the JSON row, the table's last line) of one in-process run of the benchmark."""
   import contextlib
   import io
   buf = io.StringIO()
   with contextlib.redirect_stdout(buf):
-    code = _load_script().main(ARGV)
+    code = _load_script().main(argv)
   lines = buf.getvalue().splitlines()
   assert code == 0, lines
   rows = [json.loads(line) for line in lines if line.startswith("{")]
   assert len(rows) == 1, lines
   return rows[0], lines[-1]
+
+
+@pytest.fixture(scope="module")
+def output():
+  return _run(ARGV)
 
 
 @pytest.mark.slow
@@ -97,14 +101,7 @@ def test_compile_only_compiles_the_same_step(output):
   """--compile_only lowers the step for the state as shapes (nothing initialised, no step run):
   XLA's memory analysis of that executable equals the concrete run's, term by term, so it is
   the same program, and the row has compile fields but no timing."""
-  import contextlib
-  import io
-  buf = io.StringIO()
-  with contextlib.redirect_stdout(buf):
-    code = _load_script().main([*ARGV, "--compile_only"])
-  lines = buf.getvalue().splitlines()
-  assert code == 0, lines
-  row, = [json.loads(line) for line in lines if line.startswith("{")]
+  row, _ = _run([*ARGV, "--compile_only"])
   assert "error" not in row, row.get("error")
   assert row["compile_only"] and "step_s" not in row and row["compile_s"] > 0
   concrete, _ = output
