@@ -20,6 +20,12 @@ over the iterations. Residuals that are the iteration's own parameter, `xs` or `
 are not stacked (they would be copies); the backward slices them again. The forward loop is
 written out (one iteration traced to a jaxpr, then a `fori_loop`) so that on a GPU its stacked
 buffers are allocated unwritten (`_unread_buffers`) rather than zero-filled and copied.
+
+A saved residual that a kernel (a Pallas call or another custom call) computed reaches its stacked
+buffer through an optimization barrier (`_kernel_outputs`). Without it XLA:GPU's dynamic-slice
+fusion gives the buffer write its own copy of the kernel whenever the kernel's result has other
+users too, so the kernel runs twice: at k3_h200 every scanned layer ran its gate and up expert
+matmuls twice in the forward (benchmarks/train_step.md).
 """
 
 from __future__ import annotations
@@ -39,6 +45,64 @@ _PARAM, _XS, _CONST, _SAVED = "param", "xs", "const", "saved"
 
 def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+# Primitives that pass their first operand through unchanged in value or only in shape; XLA keeps
+# them as bitcasts or drops them, so the kernel's own buffer reaches the stacked-buffer write.
+_TRANSPARENT = frozenset({"name", "reduce_precision", "reshape", "squeeze", "expand_dims",
+                          "copy", "copy_p"})
+# Primitives that run a kernel of their own (a custom call in the compiled program).
+# (Pallas-Triton and Mosaic TPU kernels are `pallas_call`, Pallas' Mosaic GPU `plgpu.kernel` is
+# `mpmd_map`.)
+_KERNELS = frozenset({"pallas_call", "mpmd_map", "ffi_call", "custom_call"})
+
+
+def _inner_jaxpr(eqn):
+  """The jaxpr a call-like equation (jit, custom_vjp_call, custom_vmap_call, checkpoint, ...)
+  runs, or None."""
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "call"):
+    inner = eqn.params.get(key)
+    if inner is not None:
+      return getattr(inner, "jaxpr", inner)
+  return None
+
+
+def _kernel_made(jaxpr, var, depth: int = 0) -> bool:
+  """Whether `var` of `jaxpr` is the result of a kernel call, through pass-through ops and into
+  call-like equations."""
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  while depth < 32:
+    depth += 1
+    eqn = producer.get(var)
+    if eqn is None:
+      return False
+    name = eqn.primitive.name
+    if name in _KERNELS:
+      return True
+    if name in _TRANSPARENT:
+      var = eqn.invars[0]
+      continue
+    inner = _inner_jaxpr(eqn)
+    if inner is None or len(inner.outvars) != len(eqn.outvars):
+      return False
+    return _kernel_made(inner, inner.outvars[eqn.outvars.index(var)], depth)
+  return False
+
+
+def _kernel_outputs(closed_jaxpr, first: int) -> list[bool]:
+  """For each output of `closed_jaxpr` from index `first` on: computed by a kernel call?"""
+  jaxpr = closed_jaxpr.jaxpr
+  return [not isinstance(v, jax.extend.core.Literal) and _kernel_made(jaxpr, v)
+          for v in jaxpr.outvars[first:]]
+
+
+def _fenced(values: list, mask: list[bool]) -> list:
+  """values with the masked ones passed through one optimization barrier."""
+  picked = [v for v, m in zip(values, mask) if m]
+  if not picked:
+    return list(values)
+  it = iter(jax.lax.optimization_barrier(picked))
+  return [next(it) if m else v for v, m in zip(values, mask)]
 
 
 def _sources(residuals, params_i, xs_i, consts) -> list[tuple[str, int]]:
@@ -113,6 +177,7 @@ def _fwd(body: _Body, carry, params, xs, consts, grad_acc, weight):
   run_one = jax.extend.core.jaxpr_as_fun(one)
   n_carry = len(carry_leaves)
   stacked_avals = one.out_avals[n_carry:]
+  kernel_made = _kernel_outputs(one, n_carry)
 
   def loop(i, state):
     c_leaves, stacks = state
@@ -120,7 +185,7 @@ def _fwd(body: _Body, carry, params, xs, consts, grad_acc, weight):
                                 for p in param_leaves],
                    *[jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs_leaves])
     stacks = [jax.lax.dynamic_update_index_in_dim(b, v, i, 0)
-              for b, v in zip(stacks, outs[n_carry:])]
+              for b, v in zip(stacks, _fenced(outs[n_carry:], kernel_made))]
     return list(outs[:n_carry]), stacks
 
   carry_out, stacks = jax.lax.fori_loop(0, length, loop,

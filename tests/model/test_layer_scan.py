@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import pallas as pl
 
 from tests.configs import k3_tiny
 from k3train.model import layer_scan
@@ -98,6 +99,60 @@ def test_stacked_buffers_on_one_gpu_are_unwritten_allocations_each_its_own(monke
   monkeypatch.undo()
   zeros = layer_scan._unread_buffers([jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)], L)
   assert zeros[0].shape == (L, 4, 8) and not bool(jnp.any(zeros[0]))       # CPU: zeros
+
+
+def _doubled(x):
+  """2x through a Pallas kernel (interpreted off the GPU): a custom call in the compiled step."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        interpret=jax.default_backend() != "gpu")(x)
+
+
+@jax.custom_vjp
+def _kernel_matmul(s, w):
+  return _doubled(s @ w)
+
+
+_kernel_matmul.defvjp(lambda s, w: (_kernel_matmul(s, w), (s, w)),
+                      lambda res, g: (2.0 * g @ res[1].T, res[0].T @ (2.0 * g)))
+
+
+def _kernel_body(carry, p, x, consts):
+  """_body with a second saved name computed by a kernel and used again in the layer."""
+  s, n = carry
+  k = checkpoint_name(_kernel_matmul(s, p["v"]), "k")
+  h = checkpoint_name(jnp.tanh(s @ p["w"] * consts[0]), "h")
+  return (s + h * jnp.tanh(k) * x["b"], n + 1), {}
+
+
+def test_saved_kernel_outputs_reach_their_stack_through_a_barrier():
+  """A saved residual that a kernel computed is fenced by an optimization barrier before its
+  stacked-buffer write (XLA:GPU would otherwise clone the kernel into the write); elementwise
+  residuals are not; the gradients are those of the plain scan."""
+  s, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+  one = jax.make_jaxpr(lambda s, w: (checkpoint_name(_kernel_matmul(s, w), "k").reshape(32),
+                                     jnp.tanh(s), _doubled(s) + 1.0, s))(s, w)
+  assert layer_scan._kernel_outputs(one, 0) == [True, False, False, False]
+  assert layer_scan._kernel_outputs(one, 1) == [False, False, False]
+
+  params, xs, s0, consts, acc = _inputs(jnp.float32)
+  body = jax.checkpoint(_kernel_body, policy=jax.checkpoint_policies.save_only_these_names("h", "k"))
+  loss = lambda a, s: jnp.sum(layer_scan.accumulating_scan(body, (s, jnp.int32(0)), params, xs,
+                                                           consts, a, jnp.float32(1))[0][0] ** 2)
+  text = jax.jit(jax.grad(loss)).lower(acc, s0).as_text()
+  # (jax.checkpoint's own barrier in the backward fences all the layer's inputs at once.)
+  fences = re.findall(r"%\w+ = stablehlo.optimization_barrier %\w+ : (tensor<[^>]*>)", text)
+  assert fences == ["tensor<4x8xf32>"], fences
+
+  def plain(params, s):
+    (c, _), _ = jax.lax.scan(lambda c, i: body(c, i[0], i[1], consts), (s, jnp.int32(0)),
+                             (params, xs))
+    return jnp.sum(c ** 2)
+  g_params = jax.grad(plain)(params, s0)
+  g_acc = jax.jit(jax.grad(loss))(acc, s0)
+  for k in params:
+    np.testing.assert_allclose(g_acc[k], acc[k] + g_params[k], rtol=1e-6, atol=1e-6)
 
 
 def test_accumulator_must_match_the_parameters():
