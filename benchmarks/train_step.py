@@ -46,6 +46,8 @@ Compile time is also split: `trace_lower_s` (tracing to a jaxpr and lowering to 
 `backend_compile_s` (XLA), and `jax_compile_events_s` (jax's own duration events: jaxpr trace,
 MLIR lowering, backend compile). `kernels` counts the fusions and custom calls of the compiled
 step, `kernels_by_part` the same by part: what the backend compiles and tunes one by one.
+`custom_calls` counts the step's custom calls by target, those inside fusions included (a
+Pallas or Mosaic GPU kernel that XLA copied into another fusion counts twice).
 `--compile_profile` traces the host during the compile (Python tracer off) and reports
 `compile_events`: the longest named host activities of XLA's compiler (passes, autotuning,
 LLVM and PTX compilation), inclusive seconds and counts, so compile time can be taken apart.
@@ -396,6 +398,14 @@ def kernels_by_part(hlo_text: str) -> dict[str, int]:
   return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+def custom_calls_by_target(hlo_text: str) -> dict[str, int]:
+  """Custom calls of a compiled module by target, those inside fused computations included: the
+  kernels (Pallas, Mosaic GPU, cuBLAS, ...) as the executable runs them, so a kernel XLA copied
+  (e.g. into a dynamic-slice fusion) counts twice."""
+  targets = re.findall(r'\bcustom-call\([^\n]*?custom_call_target="([^"]+)"', hlo_text)
+  return dict(collections.Counter(targets).most_common())
+
+
 # Seconds per jax duration event ("/jax/core/compile/…"), summed since the listener was added.
 _JAX_EVENTS: dict[str, float] = collections.defaultdict(float)
 
@@ -634,7 +644,8 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
                  "jax_compile_events_s": {
                      k.rsplit("/", 1)[-1]: round(v - events_before.get(k, 0.0), 1)
                      for k, v in _jax_event_seconds().items() if k.startswith("/jax/core/compile/")},
-                 "kernels_by_part": kernels_by_part(hlo_text)}
+                 "kernels_by_part": kernels_by_part(hlo_text),
+                 "custom_calls": custom_calls_by_target(hlo_text)}
   compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
   if compile_trace:
     compile_row["compile_events"] = compile_events(compile_trace)

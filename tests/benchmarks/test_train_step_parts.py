@@ -114,6 +114,28 @@ def test_kernels_by_part_counts_the_compiled_steps_fusions_by_scope():
   assert counts.get("kda", 0) >= 1 and counts.get("moe_gmm", 0) >= 1, counts
 
 
+def test_custom_calls_are_counted_by_target_inside_fusions_too():
+  """`custom_calls`: a CPU compile with LAPACK custom calls counts each by its target, matching
+  every custom-call instruction of the module; a call inside a fused computation counts as
+  well (an HLO excerpt in the form XLA:GPU prints a dynamic-slice fusion)."""
+  script = _script()
+  a = jnp.eye(32, dtype=jnp.float32) * 2.0
+  text = jax.jit(lambda a: jnp.linalg.cholesky(a) @ jnp.linalg.qr(a)[0]).lower(a).compile().as_text()
+  counts = script.custom_calls_by_target(text)
+  every = len(re.findall(r"\bcustom-call\(", text))
+  assert sum(counts.values()) == every >= 2 and len(counts) >= 2, counts
+  excerpt = "\n".join([
+      "%dynamic-slice-fusion.1 (p0: bf16[4,8], p1: s32[]) -> bf16[4,8] {",
+      '  %k.2 = bf16[8]{0} custom-call(%p0), custom_call_target="mosaic_gpu_v2", api_version=4',
+      "}",
+      "ENTRY %main {",
+      '  %k.1 = bf16[8]{0} custom-call(%x), custom_call_target="mosaic_gpu_v2"',
+      '  %s.1 = (f32[8]{0}) custom-call(%y), custom_call_target="xla.gpu.ext.cub_sort_pairs"',
+      "}"])
+  assert script.custom_calls_by_target(excerpt) == {"mosaic_gpu_v2": 2,
+                                                     "xla.gpu.ext.cub_sort_pairs": 1}
+
+
 def test_compile_events_name_the_compilers_host_activities(tmp_path):
   """`--compile_profile`'s reader on a real host trace of a compile: XLA's compile activities
   appear with positive inclusive seconds and counts, Python frames are left out, and the list is
