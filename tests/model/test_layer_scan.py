@@ -155,6 +155,21 @@ def test_saved_kernel_outputs_reach_their_stack_through_a_barrier():
     np.testing.assert_allclose(g_acc[k], acc[k] + g_params[k], rtol=1e-6, atol=1e-6)
 
 
+def test_a_mosaic_gpu_grouped_matmul_counts_as_a_kernel(monkeypatch):
+  """The routed experts' Mosaic GPU kernel (traced for the GPU, not run) is found as a kernel
+  through its jit and custom_vmap_call wrappers, as the layer scan needs for the expert
+  matmul outputs the selective policy saves."""
+  from pallas_kernels.moe import pallas_gpu
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pallas_gpu, "_num_sms", lambda interpret: 132)
+  shapes = [jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4,), jnp.int32)]
+  one = jax.make_jaxpr(lambda x, w, g: (checkpoint_name(pallas_gpu.gmm_mgpu(x, w, g), "k"),
+                                        x * 2))(*shapes)
+  assert layer_scan._kernel_outputs(one, 0) == [True, False]
+
+
 def test_accumulator_must_match_the_parameters():
   params, xs, s0, consts, acc = _inputs(jnp.float32)
   bad = {"w": acc["w"]}
