@@ -50,7 +50,7 @@ def _is_float(x) -> bool:
 # Primitives that pass their first operand through unchanged in value or only in shape; XLA keeps
 # them as bitcasts or drops them, so the kernel's own buffer reaches the stacked-buffer write.
 _TRANSPARENT = frozenset({"name", "reduce_precision", "reshape", "squeeze", "expand_dims",
-                          "copy", "copy_p"})
+                          "copy"})
 # Primitives that run a kernel of their own (a custom call in the compiled program).
 # (Pallas-Triton and Mosaic TPU kernels are `pallas_call`, Pallas' Mosaic GPU `plgpu.kernel` is
 # `mpmd_map`.)
@@ -67,14 +67,17 @@ def _inner_jaxpr(eqn):
   return None
 
 
-def _kernel_made(jaxpr, var, depth: int = 0) -> bool:
-  """Whether `var` of `jaxpr` is the result of a kernel call, through pass-through ops and into
-  call-like equations."""
-  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  while depth < 32:
-    depth += 1
+def _producers(jaxpr) -> dict:
+  """Each variable of `jaxpr` that an equation defines -> that equation."""
+  return {v: e for e in jaxpr.eqns for v in e.outvars}
+
+
+def _kernel_made(producer: dict, var) -> bool:
+  """Whether `var` (of the jaxpr whose `_producers` map is `producer`) is the result of a kernel
+  call, through pass-through ops and into call-like equations."""
+  for _ in range(64):                       # a bound on the walk, far above any real chain
     eqn = producer.get(var)
-    if eqn is None:
+    if eqn is None:                         # an input of the jaxpr, or a literal
       return False
     name = eqn.primitive.name
     if name in _KERNELS:
@@ -85,15 +88,14 @@ def _kernel_made(jaxpr, var, depth: int = 0) -> bool:
     inner = _inner_jaxpr(eqn)
     if inner is None or len(inner.outvars) != len(eqn.outvars):
       return False
-    return _kernel_made(inner, inner.outvars[eqn.outvars.index(var)], depth)
+    var, producer = inner.outvars[eqn.outvars.index(var)], _producers(inner)
   return False
 
 
 def _kernel_outputs(closed_jaxpr, first: int) -> list[bool]:
   """For each output of `closed_jaxpr` from index `first` on: computed by a kernel call?"""
-  jaxpr = closed_jaxpr.jaxpr
-  return [not isinstance(v, jax.extend.core.Literal) and _kernel_made(jaxpr, v)
-          for v in jaxpr.outvars[first:]]
+  producer = _producers(closed_jaxpr.jaxpr)
+  return [_kernel_made(producer, v) for v in closed_jaxpr.jaxpr.outvars[first:]]
 
 
 def _fenced(values: list, mask: list[bool]) -> list:
