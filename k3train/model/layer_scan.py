@@ -76,8 +76,10 @@ def _kernel_made(producer: dict, var) -> bool:
   """Whether `var` (of the jaxpr whose `_producers` map is `producer`) is the result of a kernel
   call, through pass-through ops and into call-like equations."""
   for _ in range(64):                       # a bound on the walk, far above any real chain
+    if isinstance(var, jax.extend.core.Literal):
+      return False
     eqn = producer.get(var)
-    if eqn is None:                         # an input of the jaxpr, or a literal
+    if eqn is None:                         # an input of the jaxpr
       return False
     name = eqn.primitive.name
     if name in _KERNELS:

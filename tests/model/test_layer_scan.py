@@ -132,9 +132,9 @@ def test_saved_kernel_outputs_reach_their_stack_through_a_barrier():
   residuals are not; the gradients are those of the plain scan."""
   s, w = jnp.ones((4, 8)), jnp.ones((8, 8))
   one = jax.make_jaxpr(lambda s, w: (checkpoint_name(_kernel_matmul(s, w), "k").reshape(32),
-                                     jnp.tanh(s), _doubled(s) + 1.0, s))(s, w)
-  assert layer_scan._kernel_outputs(one, 0) == [True, False, False, False]
-  assert layer_scan._kernel_outputs(one, 1) == [False, False, False]
+                                     jnp.tanh(s), _doubled(s) + 1.0, s, 1.0))(s, w)
+  assert layer_scan._kernel_outputs(one, 0) == [True, False, False, False, False]
+  assert layer_scan._kernel_outputs(one, 1) == [False, False, False, False]
 
   params, xs, s0, consts, acc = _inputs(jnp.float32)
   body = jax.checkpoint(_kernel_body, policy=jax.checkpoint_policies.save_only_these_names("h", "k"))
