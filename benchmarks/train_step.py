@@ -28,6 +28,10 @@ assigned to a model part by the `jax.named_scope` names in its HLO op_name (`PAR
 routed-expert matmuls, dispatch / combine, router, QB statistics, the MoE's latent down / up
 projections and shared experts, the dense FFN, AttnRes, norms, head and loss, optimizer with the
 finite check); a fusion without metadata takes that of the first located instruction it fuses.
+Each part is also split by pass (`pass_ms_per_step`: forward, backward, and "recomputed", the
+forward rematerialised inside the backward) and by what runs it (`kind_ms_per_step`: "gemm",
+"kernel" for the hand-written Pallas / Mosaic GPU / cuDNN kernels, "fusion" for XLA's own
+elementwise, reduction, gather and scatter fusions, "copy", "other").
 The profile also reports when the device ran nothing (`idle_ms_per_step` beside
 `busy_ms_per_step`, between the first op traced and the last): each gap is charged to the part
 of the op that ends it (`idle_by_part_ms_per_step`, `longest_gaps`), which separates launch
@@ -239,6 +243,63 @@ def op_locations(hlo_text: str) -> dict[str, str]:
     if loc and current is not None:
       first_in.setdefault(current, loc)
   return {name: loc or first_in.get(calls.get(name, ""), "") for name, loc in own.items()}
+
+
+def op_kinds(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name → what runs it: "gemm" (cuBLAS calls and XLA's GEMM fusions), "kernel"
+  (hand-written kernels: Pallas, Mosaic GPU, cuDNN, library sorts, and fusions wrapping them),
+  "fusion" (XLA's own fusions: elementwise, reductions, gathers, scatters, slice updates),
+  "copy", or "other"."""
+  inst = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+  kinds = {}
+  for line in hlo_text.splitlines():
+    m = inst.match(line)
+    if m is None:
+      continue
+    rest = line[m.end():]
+    if re.search(r"\scustom-call\(", rest):
+      target = re.search(r'custom_call_target="([^"]+)"', rest)
+      target = target.group(1) if target else ""
+      kind = ("gemm" if target.startswith("__cublas") else
+              "other" if target == "AllocateBuffer" else "kernel")
+    elif re.search(r"\sfusion\(", rest):
+      backend = re.search(r'"kind":"(__\w+)"', rest)
+      backend = backend.group(1) if backend else ""
+      kind = ("gemm" if "gemm" in backend else "kernel" if backend == "__custom_fusion" else
+              "fusion")
+    elif re.search(r"\scopy(?:-start)?\(", rest):
+      kind = "copy"
+    else:
+      kind = "other"
+    kinds[m.group(1)] = kind
+  return kinds
+
+
+def pass_of(location: str) -> str:
+  """Which pass an op belongs to, from its op_name: "recomputed" (a rematerialised forward
+  inside the backward), "backward", or "forward" (the optimizer's update counts as forward)."""
+  name = location.partition(":")[2]
+  if "rematted_computation" in name:
+    return "recomputed"
+  return "backward" if "transpose(" in name else "forward"
+
+
+def part_breakdown(times: dict[str, float], where: dict[str, str], kinds: dict[str, str],
+                   steps: int) -> dict:
+  """Device ms per step of each part, split by pass (`pass_of`) and by what runs it
+  (`op_kinds`), parts ordered by their total."""
+  by_pass: dict = collections.defaultdict(lambda: collections.defaultdict(float))
+  by_kind: dict = collections.defaultdict(lambda: collections.defaultdict(float))
+  for op, seconds in times.items():
+    location = where.get(op, "")
+    part = classify(location)
+    by_pass[part][pass_of(location)] += seconds
+    by_kind[part][kinds.get(op, "other")] += seconds
+  order = sorted(by_pass, key=lambda part: -sum(by_pass[part].values()))
+  ms = lambda split: {k: round(1e3 * v / steps, 2) for k, v in
+                      sorted(split.items(), key=lambda kv: -kv[1])}
+  return {"pass_ms_per_step": {part: ms(by_pass[part]) for part in order},
+          "kind_ms_per_step": {part: ms(by_kind[part]) for part in order}}
 
 
 def classify(location: str) -> str:
@@ -494,6 +555,7 @@ def part_profile(trace_dir: str, hlo_text: str, steps: int, dump_prefix: str = "
   if not times:
     return {"error": "no device ops in the trace", "lines": lines_seen[:20]}
   where = op_locations(hlo_text)
+  kinds = op_kinds(hlo_text)
   parts: dict[str, float] = collections.defaultdict(float)
   for op, seconds in times.items():
     parts[classify(where.get(op, ""))] += seconds
@@ -502,23 +564,26 @@ def part_profile(trace_dir: str, hlo_text: str, steps: int, dump_prefix: str = "
   out = {"device_ms_per_step": round(1e3 * total / steps, 2),
          "parts_ms_per_step": {k: round(1e3 * v / steps, 2)
                                for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+         **part_breakdown(times, where, kinds, steps),
          "top_ops": [{"op": op, "ms_per_step": round(1e3 * s / steps, 2),
                       "where": where.get(op, "")[-120:]} for op, s in top],
          **idle_profile(intervals, lambda op: classify(where.get(op, "")), steps)}
   if dump_prefix:
     try:
-      dump_ops(dump_prefix, times, where, hlo_text, steps)
+      dump_ops(dump_prefix, times, where, kinds, hlo_text, steps)
     except OSError as e:
       out["dump_error"] = str(e)[:200]
   return out
 
 
-def dump_ops(prefix: str, times: dict[str, float], where: dict[str, str], hlo_text: str,
-             steps: int) -> None:
-  """<prefix>_ops.json: every device op, most expensive first, with its ms per step, part and
-  source location; <prefix>_hlo.txt.gz: the compiled step's HLO, to read an op in full."""
+def dump_ops(prefix: str, times: dict[str, float], where: dict[str, str], kinds: dict[str, str],
+             hlo_text: str, steps: int) -> None:
+  """<prefix>_ops.json: every device op, most expensive first, with its ms per step, part, pass,
+  kind and source location; <prefix>_hlo.txt.gz: the compiled step's HLO, to read an op in
+  full."""
   import gzip
   ops = [{"op": op, "ms_per_step": round(1e3 * s / steps, 4), "part": classify(where.get(op, "")),
+          "pass": pass_of(where.get(op, "")), "kind": kinds.get(op, "other"),
           "where": where.get(op, "")} for op, s in sorted(times.items(), key=lambda kv: -kv[1])]
   with open(prefix + "_ops.json", "w") as f:
     json.dump(ops, f, indent=0)

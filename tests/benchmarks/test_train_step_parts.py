@@ -136,6 +136,56 @@ def test_custom_calls_are_counted_by_target_inside_fusions_too():
                                                      "xla.gpu.ext.cub_sort_pairs": 1}
 
 
+_GPU_HLO = "\n".join([
+    # One line per kind, in the form XLA:GPU prints them (operands and metadata shortened).
+    '  %cublas-lt-matmul.2 = (f32[4096,163840]{1,0}, s8[33554432]{0}) custom-call(%a, %b), '
+    'custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(s)/transpose(jvp(kda))/dot"}',
+    '  %gemm_fusion_dot.5 = f32[2048,2048]{1,0} fusion(%a, %b), kind=kCustom, calls=%g, '
+    'backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}',
+    '  %pallas_call.7 = bf16[4,4096,16,128]{3,2,1,0} custom-call(%a), '
+    'custom_call_target="__gpu$xla.gpu.triton"',
+    '  %mpmd_map.3 = bf16[131072,768]{1,0} custom-call(%a, %b), custom_call_target="mosaic_gpu_v2"',
+    '  %dynamic_slice_fusion.1 = bf16[4,131072,768]{2,1,0} fusion(%a), kind=kCustom, calls=%d, '
+    'backend_config={"fusion_backend_config":{"kind":"__custom_fusion"}}',
+    '  %input_add_reduce_fusion = (bf16[128,16,128]{2,1,0}, bf16[4,4096]{1,0}) fusion(%a, %b), '
+    'kind=kInput, calls=%r',
+    '  %copy.632 = bf16[4,4,4096,2048]{3,2,1,0} copy(%a)',
+    '  ROOT %ffi_call.1 = f32[4,64]{1,0} custom-call(), custom_call_target="AllocateBuffer"',
+    '  %get-tuple-element.9 = f32[4]{0} get-tuple-element(%t), index=1'])
+
+
+def test_op_kinds_tell_gemms_kernels_and_xla_fusions_apart():
+  kinds = _script().op_kinds(_GPU_HLO)
+  assert kinds == {"cublas-lt-matmul.2": "gemm", "gemm_fusion_dot.5": "gemm",
+                   "pallas_call.7": "kernel", "mpmd_map.3": "kernel",
+                   "dynamic_slice_fusion.1": "kernel", "input_add_reduce_fusion": "fusion",
+                   "copy.632": "copy", "ffi_call.1": "other", "get-tuple-element.9": "other"}
+
+
+def test_each_op_is_put_in_its_pass_and_the_parts_split_by_pass_and_kind():
+  """Op names as jax writes them: a rematerialised forward sits under `rematted_computation`
+  inside the backward's `transpose(...)`; the split sums to the part's total."""
+  script = _script()
+  fwd = "m.py:jit(step)/while/body/jvp(kda)/jit(_kda_pallas_core)/pallas_call"
+  bwd = "m.py:jit(step)/transpose(jvp())/while/body/transpose(jvp(jvp()))/checkpoint/kda/dot_general"
+  remat = ("m.py:jit(step)/transpose(jvp())/while/body/transpose(jvp(jvp()))/checkpoint/"
+           "rematted_computation/kda/jit(_kda_pallas_core)/pallas_call")
+  assert [script.pass_of(w) for w in (fwd, bwd, remat, "")] == [
+      "forward", "backward", "recomputed", "forward"]
+  times = {"pallas_call.1": 0.004, "pallas_call.2": 0.002, "custom-call.3": 0.006,
+           "loop_fusion.4": 0.001}
+  where = {"pallas_call.1": fwd, "pallas_call.2": remat, "custom-call.3": bwd,
+           "loop_fusion.4": "m.py:jit(step)/optimizer/add"}
+  kinds = {"pallas_call.1": "kernel", "pallas_call.2": "kernel", "custom-call.3": "gemm",
+           "loop_fusion.4": "fusion"}
+  out = script.part_breakdown(times, where, kinds, steps=2)
+  assert out["pass_ms_per_step"] == {"kda": {"backward": 3.0, "forward": 2.0, "recomputed": 1.0},
+                                     "optimizer": {"forward": 0.5}}
+  assert out["kind_ms_per_step"] == {"kda": {"kernel": 3.0, "gemm": 3.0},
+                                     "optimizer": {"fusion": 0.5}}
+  assert list(out["pass_ms_per_step"]) == ["kda", "optimizer"]       # largest part first
+
+
 def test_compile_events_name_the_compilers_host_activities(tmp_path):
   """`--compile_profile`'s reader on a real host trace of a compile: XLA's compile activities
   appear with positive inclusive seconds and counts, Python frames are left out, and the list is
