@@ -186,6 +186,29 @@ def test_each_op_is_put_in_its_pass_and_the_parts_split_by_pass_and_kind():
   assert list(out["pass_ms_per_step"]) == ["kda", "optimizer"]       # largest part first
 
 
+def test_the_part_profile_carries_the_splits_and_dumps_them_per_op(tmp_path, monkeypatch):
+  """`part_profile` end to end on the GPU excerpt, with the trace reader replaced by fixed op
+  times (a CPU trace has no device ops): parts, both splits, and the dumped op list with each
+  op's pass and kind."""
+  import json
+  script = _script()
+  hlo = _GPU_HLO.replace('custom_call_target="mosaic_gpu_v2"',
+                         'custom_call_target="mosaic_gpu_v2", metadata={op_name='
+                         '"jit(s)/jvp(moe_gmm)/jit(gmm_mgpu)/kernel/mpmd_map"}')
+  times = {"cublas-lt-matmul.2": 0.003, "mpmd_map.3": 0.002, "copy.632": 0.001}
+  monkeypatch.setattr(script, "device_op_times",
+                      lambda trace_dir: (times, [], [(0.0, 1e6, "mpmd_map.3")]))
+  out = script.part_profile(str(tmp_path), hlo, steps=1, dump_prefix=str(tmp_path / "v"))
+  assert out["parts_ms_per_step"] == {"kda": 3.0, "moe_gmm": 2.0, "other": 1.0}
+  assert out["pass_ms_per_step"]["kda"] == {"backward": 3.0}
+  assert out["kind_ms_per_step"] == {"kda": {"gemm": 3.0}, "moe_gmm": {"kernel": 2.0},
+                                     "other": {"copy": 1.0}}
+  ops = json.load(open(tmp_path / "v_ops.json"))
+  assert [(o["op"], o["part"], o["pass"], o["kind"]) for o in ops] == [
+      ("cublas-lt-matmul.2", "kda", "backward", "gemm"),
+      ("mpmd_map.3", "moe_gmm", "forward", "kernel"), ("copy.632", "other", "forward", "copy")]
+
+
 def test_compile_events_name_the_compilers_host_activities(tmp_path):
   """`--compile_profile`'s reader on a real host trace of a compile: XLA's compile activities
   appear with positive inclusive seconds and counts, Python frames are left out, and the list is
