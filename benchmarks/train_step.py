@@ -209,11 +209,14 @@ def apply_overrides(cfg, pairs: dict):
 # ----------------------------------------------------------------------------- profile parsing
 
 
+# An HLO instruction's line: its name (the name the profiler reports for the op it launches).
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+
+
 def op_locations(hlo_text: str) -> dict[str, str]:
   """HLO instruction name → "source_file:op_name" from the compiled module's metadata. A fusion
   (or call) with no metadata of its own takes the first located instruction of the computation
   it calls."""
-  inst = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
   head = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(|\{)")
 
   def where(line):
@@ -229,7 +232,7 @@ def op_locations(hlo_text: str) -> dict[str, str]:
   calls: dict[str, str] = {}
   current = None
   for line in hlo_text.splitlines():
-    m = inst.match(line)
+    m = _INSTRUCTION.match(line)
     if m is None:
       h = head.match(line)
       if h and line.rstrip().endswith("{"):
@@ -250,10 +253,9 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
   (hand-written kernels: Pallas, Mosaic GPU, cuDNN, library sorts, and fusions wrapping them),
   "fusion" (XLA's own fusions: elementwise, reductions, gathers, scatters, slice updates),
   "copy", or "other"."""
-  inst = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
   kinds = {}
   for line in hlo_text.splitlines():
-    m = inst.match(line)
+    m = _INSTRUCTION.match(line)
     if m is None:
       continue
     rest = line[m.end():]
@@ -286,8 +288,8 @@ def pass_of(location: str) -> str:
 
 def part_breakdown(times: dict[str, float], where: dict[str, str], kinds: dict[str, str],
                    steps: int) -> dict:
-  """Device ms per step of each part, split by pass (`pass_of`) and by what runs it
-  (`op_kinds`), parts ordered by their total."""
+  """Device ms per step of each part (`parts_ms_per_step`), and each part split by pass
+  (`pass_of`) and by what runs it (`op_kinds`); parts ordered by their total."""
   by_pass: dict = collections.defaultdict(lambda: collections.defaultdict(float))
   by_kind: dict = collections.defaultdict(lambda: collections.defaultdict(float))
   for op, seconds in times.items():
@@ -298,7 +300,9 @@ def part_breakdown(times: dict[str, float], where: dict[str, str], kinds: dict[s
   order = sorted(by_pass, key=lambda part: -sum(by_pass[part].values()))
   ms = lambda split: {k: round(1e3 * v / steps, 2) for k, v in
                       sorted(split.items(), key=lambda kv: -kv[1])}
-  return {"pass_ms_per_step": {part: ms(by_pass[part]) for part in order},
+  totals = {part: sum(by_pass[part].values()) for part in order}
+  return {"parts_ms_per_step": ms(totals),
+          "pass_ms_per_step": {part: ms(by_pass[part]) for part in order},
           "kind_ms_per_step": {part: ms(by_kind[part]) for part in order}}
 
 
@@ -556,14 +560,9 @@ def part_profile(trace_dir: str, hlo_text: str, steps: int, dump_prefix: str = "
     return {"error": "no device ops in the trace", "lines": lines_seen[:20]}
   where = op_locations(hlo_text)
   kinds = op_kinds(hlo_text)
-  parts: dict[str, float] = collections.defaultdict(float)
-  for op, seconds in times.items():
-    parts[classify(where.get(op, ""))] += seconds
   total = sum(times.values())
   top = sorted(times.items(), key=lambda kv: -kv[1])[:15]
   out = {"device_ms_per_step": round(1e3 * total / steps, 2),
-         "parts_ms_per_step": {k: round(1e3 * v / steps, 2)
-                               for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
          **part_breakdown(times, where, kinds, steps),
          "top_ops": [{"op": op, "ms_per_step": round(1e3 * s / steps, 2),
                       "where": where.get(op, "")[-120:]} for op, s in top],

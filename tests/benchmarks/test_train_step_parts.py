@@ -179,6 +179,7 @@ def test_each_op_is_put_in_its_pass_and_the_parts_split_by_pass_and_kind():
   kinds = {"pallas_call.1": "kernel", "pallas_call.2": "kernel", "custom-call.3": "gemm",
            "loop_fusion.4": "fusion"}
   out = script.part_breakdown(times, where, kinds, steps=2)
+  assert out["parts_ms_per_step"] == {"kda": 6.0, "optimizer": 0.5}
   assert out["pass_ms_per_step"] == {"kda": {"backward": 3.0, "forward": 2.0, "recomputed": 1.0},
                                      "optimizer": {"forward": 0.5}}
   assert out["kind_ms_per_step"] == {"kda": {"kernel": 3.0, "gemm": 3.0},
