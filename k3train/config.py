@@ -22,6 +22,7 @@ from pallas_kernels import attnres as attnres_op
 from pallas_kernels import kda as kda_op
 from pallas_kernels import moe as moe_ops
 from pallas_kernels import qb as qb_op
+from pallas_kernels import short_conv as short_conv_op
 from k3train.quant import mx
 
 
@@ -38,6 +39,7 @@ MUON_NS_DTYPES = ("bfloat16", "float32")
 PARALLEL_RULES = ("default", "long_context", "full")   # k3train/parallel/rules.py RECIPES
 EXPERT_EXCHANGES = ("auto", "all_to_all", "ragged")
 KDA_BACKENDS = kda_op.BACKENDS
+SHORT_CONV_BACKENDS = short_conv_op.BACKENDS
 MOE_BACKENDS = moe_ops.BACKENDS
 ATTENTION_BACKENDS = attention_op.BACKENDS
 ATTNRES_BACKENDS = attnres_op.BACKENDS
@@ -169,6 +171,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(k.chunk_size in (16, 32, 64, 128), "model.kda.chunk_size",
            f"must be one of 16, 32, 64, 128, got {k.chunk_size}")
   _require(k.backend in KDA_BACKENDS, "model.kda.backend", f"must be one of {KDA_BACKENDS}, got {k.backend!r}")
+  _require(k.conv_backend in SHORT_CONV_BACKENDS, "model.kda.conv_backend",
+           f"must be one of {SHORT_CONV_BACKENDS}, got {k.conv_backend!r}")
 
   a = m.mla
   for key in ("num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):

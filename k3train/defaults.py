@@ -35,6 +35,7 @@ def k3_full() -> ml_collections.ConfigDict:
   k.gate_lower_bound = -5.0
   k.chunk_size = 64
   k.backend = "auto"              # see pallas_kernels.kda: reference | jax | pallas_gpu | pallas_tpu | auto
+  k.conv_backend = "auto"         # the short conv, pallas_kernels.short_conv: xla | pallas_gpu | auto
 
   a = m.mla = ml_collections.ConfigDict()
   a.num_heads = 96

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from pallas_kernels import short_conv
 from pallas_kernels.kda import kda as kda_op, kda_decode_step
 
 from k3train.parallel import axes as ax
@@ -45,26 +46,17 @@ def lower_bound_gate(z: jax.Array, a_log: jax.Array, lower_bound: float) -> jax.
   return lower_bound * jax.nn.sigmoid(rate * z.astype(jnp.float32))
 
 
-def causal_conv(x_bthk: jax.Array, w_whk: jax.Array, segment_ids_bt: jax.Array | None) -> jax.Array:
+def causal_conv(x_bthk: jax.Array, w_whk: jax.Array, segment_ids_bt: jax.Array | None,
+                backend: str = "xla") -> jax.Array:
   """Depthwise causal conv: y_t = Σ_j w[j] · x_{t-W+1+j}, zero before the sequence or document start.
 
   w[W-1] multiplies the current token (PyTorch cross-correlation with left padding W-1). Inputs
   from an earlier document (different segment id) are treated as zeros, so the conv history
-  resets at every document start.
+  resets at every document start. The taps are summed in fp32 and the result rounded once to x's
+  dtype; the weight gradient, a sum over every token, is an fp32 sum as well (in bf16 it would
+  round its partial sums to 8 bits). `backend`: pallas_kernels.short_conv's.
   """
-  width = w_whk.shape[0]
-  t = x_bthk.shape[1]
-  y = x_bthk * w_whk[width - 1].astype(x_bthk.dtype)
-  for shift in range(1, width):
-    if shift >= t:
-      break
-    x_shift = jnp.pad(x_bthk, ((0, 0), (shift, 0), (0, 0), (0, 0)))[:, :t]
-    if segment_ids_bt is not None:
-      seg_shift = jnp.pad(segment_ids_bt, ((0, 0), (shift, 0)), constant_values=-1)[:, :t]
-      same = (seg_shift == segment_ids_bt)[:, :, None, None]
-      x_shift = jnp.where(same, x_shift, 0)
-    y = y + x_shift * w_whk[width - 1 - shift].astype(x_bthk.dtype)
-  return y
+  return short_conv.causal_conv(x_bthk, w_whk, segment_ids_bt, backend=backend)
 
 
 def _dt_bias_init(key, shape, dtype):
@@ -84,6 +76,7 @@ class KimiDeltaAttention(nnx.Module):
     self.lower_bound = cfg.gate_lower_bound
     self.chunk_size = cfg.chunk_size
     self.backend = cfg.backend
+    self.conv_backend = cfg.get("conv_backend", "auto")
     self.norm_eps = norm_eps
     self.dtype = dtype
     kw = dict(std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -107,11 +100,14 @@ class KimiDeltaAttention(nnx.Module):
     self.o_norm = layers.RMSNorm(k, eps=norm_eps, name=ax.HEAD_DIM, param_dtype=param_dtype, rngs=rngs)
     self.o_proj = layers.Linear((h, k), (d_model,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), **kw)
 
+  def _conv(self, x_bthk: jax.Array, w_whk: jax.Array, segment_ids_bt: jax.Array | None):
+    return causal_conv(x_bthk, w_whk, segment_ids_bt, backend=self.conv_backend)
+
   @jax.named_scope("kda")
   def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
     act = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     def branch(proj, conv):
-      y = seq_parallel.causal_conv(proj(x_btd), conv[...], segment_ids_bt, causal_conv)
+      y = seq_parallel.causal_conv(proj(x_btd), conv[...], segment_ids_bt, self._conv)
       return constrain(jax.nn.silu(remat.tag(y, remat.KDA_CONV)), *act)
     q = l2_normalize(branch(self.q_proj, self.q_conv))
     k = l2_normalize(branch(self.k_proj, self.k_conv))
@@ -150,7 +146,7 @@ class KimiDeltaAttention(nnx.Module):
     """
     pre = self._branch_inputs(x_btd)
     convs = (self.q_conv[...], self.k_conv[...], self.v_conv[...])
-    q, k, v = (jax.nn.silu(causal_conv(p, w, segment_ids_bt)) for p, w in zip(pre, convs))
+    q, k, v = (jax.nn.silu(self._conv(p, w, segment_ids_bt)) for p, w in zip(pre, convs))
     q, k = l2_normalize(q), l2_normalize(k)
     beta, g = self._gates(x_btd)
     o, state = kda_op(q.astype(self.dtype), k.astype(self.dtype), v, g, beta,
@@ -172,11 +168,12 @@ class KimiDeltaAttention(nnx.Module):
     ys = []
     for i, (p, w) in enumerate(zip(pre, convs)):
       x_t = p[:, 0]                                                          # [B, H, K]
-      # Same terms in the same order as `causal_conv` (the current tap first).
-      y = x_t * w[width - 1].astype(x_t.dtype)
+      # Same terms in the same order and precision as `causal_conv` (the current tap first).
+      w32 = w.astype(jnp.float32)
+      y = x_t.astype(jnp.float32) * w32[width - 1]
       for shift in range(1, width):
-        y = y + hist[:, width - 1 - shift, i].astype(x_t.dtype) * w[width - 1 - shift].astype(x_t.dtype)
-      ys.append(jax.nn.silu(y))
+        y = y + hist[:, width - 1 - shift, i].astype(x_t.dtype).astype(jnp.float32) * w32[width - 1 - shift]
+      ys.append(jax.nn.silu(y.astype(x_t.dtype)))
     q, k = l2_normalize(ys[0]), l2_normalize(ys[1])
     beta, g = self._gates(x_b1d)
     state = jnp.where(reset[:, None, None, None], 0.0, cache["state"])

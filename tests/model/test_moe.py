@@ -172,6 +172,40 @@ def test_situ_glu_gradient_equals_float64(linear_beta):
       assert np.all(np.abs(np.asarray(d_got, np.float64) - d_want) <= bound)
 
 
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+def test_situ_glu_row_scale_gradients_equal_float64(linear_beta):
+  """With a per-row scale (the routed experts' routing weight): the gradients in g, u and the
+  scale against autodiff of the formula in float64 at the same inputs. fp32 inputs: within 1e-6
+  of the largest gradient; bf16 g and u (fp32 scale): one bf16 rounding of each g, u element and
+  2⁻¹⁶ relative for the scale's (an fp32 sum over the row of fp32 products)."""
+  def formula(a, b, r):
+    up = b if linear_beta is None else linear_beta * jnp.tanh(b / linear_beta)
+    return 4.0 * jnp.tanh(a / 4.0) * jax.nn.sigmoid(a) * up * r[:, None]
+  g = normal((40, 24), 31, scale=10.0)
+  u = normal((40, 24), 32, scale=12.0)
+  r = jax.nn.sigmoid(normal((40,), 33, scale=2.0))
+  cot = normal((40, 24), 34)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    a, b = g.astype(dtype), u.astype(dtype)
+    c = cot.astype(dtype)
+    with jax.enable_x64(True):
+      _, pull = jax.vjp(formula, a.astype(jnp.float64), b.astype(jnp.float64),
+                        r.astype(jnp.float64))
+      want = [np.asarray(w) for w in pull(c.astype(jnp.float64))]
+    _, pull = jax.vjp(lambda x, y, z: situ_glu(x, y, 4.0, linear_beta, z), a, b, r)
+    got = jax.jit(pull)(c)
+    for i, (d_got, d_want) in enumerate(zip(got, want)):
+      assert d_got.dtype == (jnp.float32 if i == 2 else dtype)
+      top = np.abs(d_want).max()
+      if dtype == jnp.float32:
+        bound = 1e-6 * top
+      elif i == 2:
+        bound = 2.0 ** -16 * np.abs(d_want) + 1e-6 * top
+      else:
+        bound = 2.0 ** -8 * np.abs(d_want) + 1e-5 * top
+      assert np.all(np.abs(np.asarray(d_got, np.float64) - d_want) <= bound), i
+
+
 # ----------------------------------------------------------------------------- §5.6.3-4 layer
 
 
