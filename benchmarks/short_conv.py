@@ -1,7 +1,7 @@
 """KDA's short conv: forward and forward+backward device time of the implementations.
 
   python benchmarks/short_conv.py [--shapes=4x4096x16x128] [--width=4] [--docs=4] [--iters=50]
-                                  [--kernel_settings=rows:cols:num_warps,...]
+                                  [--kernel_settings=rows:cols:num_warps[:forward],...]
 
 For each B×T×H×K (bf16 x, fp32 weights [width, H, K], `docs` equal documents per row) it times
 the three convs of a KDA layer (q, k and v; what the layer runs per site), each followed by the
@@ -10,8 +10,10 @@ cotangent with respect to x and w):
   bf16_taps   the conv as the layer computed it before fp32 taps: products and sums in bf16,
               so XLA's weight gradient sums bf16 partials (kept as the baseline);
   xla         pallas_kernels.short_conv backend "xla" (fp32 taps, autodiff);
-  pallas_gpu  the Pallas-Triton kernels (GPU only; what "auto" runs there);
-  pallas_gpu[r:c:w]  the kernels with other launch settings (--kernel_settings).
+  pallas_gpu  the Pallas-Triton backward kernel behind XLA's fused forward, or both kernels,
+              with the default settings (GPU only; what "auto" runs there);
+  pallas_gpu[r:c:w:f]  other launch settings (--kernel_settings; f is the forward, "xla" or
+              "kernel", "xla" when left out).
 Every path's conv (without the SiLU) is compared with the float64 oracle at the same inputs and
 cotangent: the largest difference over the largest magnitude of y, dx and dw, per branch. Prints one JSON line per (shape, path), then
 a table.
@@ -39,7 +41,7 @@ FLAGS = (
     _flags.Flag("docs", "int", 4, "equal documents per row"),
     _flags.Flag("iters", "int", 50, "timed calls per path"),
     _flags.Flag("kernel_settings", "list", [],
-                "extra pallas_gpu launch settings to time, each rows:cols:num_warps"),
+                "extra pallas_gpu launch settings to time, each rows:cols:num_warps[:forward]"),
 )
 
 
@@ -61,8 +63,10 @@ def _paths(settings):
   if jax.default_backend() == "gpu":
     paths["pallas_gpu"] = lambda x, w, s: short_conv.causal_conv(x, w, s, backend="pallas_gpu")
     for text in settings:
-      rows, cols, warps = (int(v) for v in text.split(":"))
-      def conv(x, w, s, cfg=pallas_gpu.Settings(rows, cols, warps)):
+      fields = text.split(":")
+      rows, cols, warps = (int(v) for v in fields[:3])
+      cfg = pallas_gpu.Settings(rows, cols, warps, *fields[3:])
+      def conv(x, w, s, cfg=cfg):
         y, _ = _with_settings(x, w, s, cfg)
         return y
       paths[f"pallas_gpu[{text}]"] = conv
@@ -71,8 +75,13 @@ def _paths(settings):
 
 def _with_settings(x, w, seg, cfg):
   """The custom_vjp of the kernels with explicit settings (the op reads SETTINGS)."""
-  from pallas_kernels.short_conv import vjp
-  fwd = lambda a, b, s, interpret: pallas_gpu.forward(a, b, s, interpret=interpret, settings=cfg)
+  from pallas_kernels.short_conv import vjp, xla
+
+  def fwd(a, b, s, interpret):
+    if cfg.forward == "xla":
+      return xla.causal_conv(a, b, s)
+    return pallas_gpu.forward(a, b, s, interpret=interpret, settings=cfg)
+
   bwd = lambda a, d, b, s, interpret: pallas_gpu.backward(a, d, b, s, interpret=interpret,
                                                           settings=cfg)
   return vjp.differentiable_conv(fwd, bwd)(x, w, seg, False), None

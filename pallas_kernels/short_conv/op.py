@@ -7,8 +7,9 @@ PyTorch Conv1d with W − 1 left padding), a tap counted only when its token is 
 in token t's document (equal segment id). The taps are summed in fp32 and y is rounded once to
 x's dtype; the weight gradient is an fp32 sum over all tokens, returned in w's dtype.
 
-Backends: "xla" (xla.py, pure JAX), "pallas_gpu" (pallas_gpu.py's forward and backward kernels
-behind vjp.py's custom_vjp; interpret mode off a GPU, for tests) and "auto".
+Backends: "xla" (xla.py, pure JAX, autodiff), "pallas_gpu" (vjp.py's custom_vjp: pallas_gpu.py's
+backward kernel, and as forward xla.py's fused pass or the forward kernel, by
+pallas_gpu.SETTINGS.forward; interpret mode off a GPU, for tests) and "auto".
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from pallas_kernels.short_conv import pallas_gpu, vjp, xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu")
 
-_pallas_gpu_conv = vjp.differentiable_conv(pallas_gpu.forward, pallas_gpu.backward)
+
+
+def _pallas_gpu_forward(x, w, segment_ids, *, interpret: bool):
+  """The custom_vjp's forward: the same fp32 sums rounded once, either way."""
+  if pallas_gpu.SETTINGS.forward == "kernel":
+    return pallas_gpu.forward(x, w, segment_ids, interpret=interpret)
+  return xla.causal_conv(x, w, segment_ids)
+
+
+_pallas_gpu_conv = vjp.differentiable_conv(_pallas_gpu_forward, pallas_gpu.backward)
 
 
 def resolve_backend(backend: str, num_rows: int | None = None,
@@ -55,5 +65,6 @@ def causal_conv(x, w, segment_ids=None, *, backend: str = "auto") -> jax.Array:
   channels = w[0].size
   backend = resolve_backend(backend, x.shape[0] * x.shape[1], channels)
   if backend == "pallas_gpu":
+    pallas_gpu.checked_tiles(x, w)        # the backward kernel's blocks, whichever forward runs
     return _pallas_gpu_conv(x, w, segment_ids, jax.default_backend() != "gpu")
   return xla.causal_conv(x, w, segment_ids)

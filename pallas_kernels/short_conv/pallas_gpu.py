@@ -37,8 +37,11 @@ def _pow2(x: int) -> bool:
 class Settings:
   """Launch parameters. Validated on construction."""
   rows: int = 64        # tokens per program, at most (a power of two dividing B·T is taken)
-  cols: int = 256       # channels per program, at most (a power of two dividing C is taken)
+  cols: int = 128       # channels per program, at most (a power of two dividing C is taken)
   num_warps: int = 4    # 1, 2, 4, 8 or 16
+  # The forward of the differentiable op: "xla" (xla.py's elementwise pass, which XLA fuses with
+  # the SiLU and the projection's output that surround it) or "kernel" (_forward_kernel).
+  forward: str = "xla"
 
   def __post_init__(self):
     if not (_pow2(self.rows) and self.rows >= 8):
@@ -49,6 +52,9 @@ class Settings:
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"short_conv pallas_gpu: num_warps must be 1, 2, 4, 8 or 16, got "
                        f"{self.num_warps!r}")
+    if self.forward not in ("xla", "kernel"):
+      raise ValueError(f"short_conv pallas_gpu: forward must be 'xla' or 'kernel', got "
+                       f"{self.forward!r}")
 
 
 SETTINGS = Settings()
@@ -149,9 +155,10 @@ def _flat(x_btc, w_wc, segment_ids_bt):
           seg.reshape(b * t))
 
 
-def _check(x_btc, w_wc, settings: Settings) -> tuple[int, int]:
+def checked_tiles(x_btc, w_wc, settings: Settings | None = None) -> tuple[int, int]:
+  """tiles() for x [B, T, C…] and w [W, C…], or a ValueError naming the shapes."""
   b, t = x_btc.shape[:2]
-  tile = tiles(b * t, w_wc[0].size, settings)
+  tile = tiles(b * t, w_wc[0].size, settings or SETTINGS)
   if tile is None:
     raise ValueError(f"short_conv pallas_gpu: B·T = {b * t} tokens × C = {w_wc[0].size} channels "
                      f"do not tile into power-of-two blocks (>= 8 tokens, >= 16 channels)")
@@ -166,7 +173,7 @@ def forward(x_btc, w_wc, segment_ids_bt, *, interpret: bool = False,
             settings: Settings | None = None):
   """y [B, T, C…] in x's dtype (xla.causal_conv's contract)."""
   settings = settings or SETTINGS
-  rows, cols = _check(x_btc, w_wc, settings)
+  rows, cols = checked_tiles(x_btc, w_wc, settings)
   x, w, seg = _flat(x_btc, w_wc, segment_ids_bt)
   n, c = x.shape
   kernel = functools.partial(_forward_kernel, rows=rows, cols=cols, width=w.shape[0],
@@ -182,7 +189,7 @@ def backward(x_btc, dy_btc, w_wc, segment_ids_bt, *, interpret: bool = False,
              settings: Settings | None = None):
   """(dx [B, T, C…] in x's dtype, dw [W, C…] fp32) for the cotangent dy of y."""
   settings = settings or SETTINGS
-  rows, cols = _check(x_btc, w_wc, settings)
+  rows, cols = checked_tiles(x_btc, w_wc, settings)
   x, w, seg = _flat(x_btc, w_wc, segment_ids_bt)
   dy = dy_btc.reshape(x.shape).astype(x.dtype)
   n, c = x.shape

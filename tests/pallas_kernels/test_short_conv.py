@@ -56,14 +56,15 @@ def _abs_sums(x, w, dy, seg):
   return y_abs, dx_abs, dw_abs
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("backend,forward", [("xla", "xla"), ("pallas_gpu", "xla"),
+                                             ("pallas_gpu", "kernel")])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_conv_and_gradients_equal_float64(backend, dtype):
+def test_conv_and_gradients_equal_float64(backend, forward, dtype):
   """y and dx are the fp32 sums rounded once to x's dtype: within half an ulp of the float64
   value, plus 1e-6 of Σ|terms| for the fp32 sum itself; dw (fp32, a sum over all B·T tokens)
   within 1e-5 of Σ|terms|."""
   x, w, dy, seg = _inputs(dtype=dtype)
-  with pallas_gpu.configured(rows=16, cols=16):
+  with pallas_gpu.configured(rows=16, cols=16, forward=forward):
     y, dx, dw = _run(backend, x, w, dy, seg)
   assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == F32
   want_y, want_dx, want_dw = _oracle(x, w, dy, seg)
@@ -80,7 +81,7 @@ def test_kernels_equal_xla_without_segments_and_with_blocks_across_rows():
   the same terms: within one rounding)."""
   for width, channels, t in ((4, (32,), 24), (1, (16,), 8), (3, (2, 16), 12)):
     x, w, dy, _ = _inputs(b=2, t=t, channels=channels, width=width, seed=width)
-    with pallas_gpu.configured(rows=16, cols=16):
+    with pallas_gpu.configured(rows=16, cols=16, forward="kernel"):
       got = _run("pallas_gpu", x, w, dy, None)
     want = _run("xla", x, w, dy, None)
     for g, h in zip(got, want):
@@ -92,7 +93,7 @@ def test_first_tokens_see_no_earlier_row():
   """A row's first W−1 tokens read nothing from the row before it in the flattened token axis."""
   x = jnp.ones((2, 8, 16), F32)
   w = jnp.ones((4, 16), F32)
-  with pallas_gpu.configured(rows=8, cols=16):
+  with pallas_gpu.configured(rows=8, cols=16, forward="kernel"):
     y = causal_conv(x, w, None, backend="pallas_gpu")
   np.testing.assert_array_equal(np.asarray(y[:, :4, 0]), [[1, 2, 3, 4]] * 2)
 
@@ -109,10 +110,12 @@ def test_bad_input_and_settings_raise():
     causal_conv(x[:, :, :, :3], w[:, :, :3], seg, backend="pallas_gpu")
   with pytest.raises(ValueError, match="rows must be"):
     pallas_gpu.Settings(rows=12)
+  with pytest.raises(ValueError, match="forward must be"):
+    pallas_gpu.Settings(forward="triton")
 
 
 def test_auto_takes_xla_off_gpu_and_kernels_where_they_tile():
   assert op.resolve_backend("auto", 80, 32) == ("pallas_gpu" if jax.default_backend() == "gpu"
                                                 else "xla")
-  assert pallas_gpu.tiles(16384, 2048) == (64, 256)
+  assert pallas_gpu.tiles(16384, 2048) == (64, 128)
   assert pallas_gpu.tiles(80, 24) is None          # 24 channels: no power-of-two block of 16
