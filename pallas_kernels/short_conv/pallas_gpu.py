@@ -11,7 +11,9 @@ its document, so the conv reads no padded copy of x.
 
 XLA runs the backward as several multi-output column reductions over the same inputs (the
 weight gradient of each tap); here every input element is read once per tap from cache and the
-reduction stays in registers. With interpret=True the same kernels run on CPU (tests).
+reduction stays in registers. The forward kernel is no faster than XLA's fused elementwise pass
+and cannot fuse with the SiLU after it, so the op runs it only with SETTINGS.forward = "kernel"
+(benchmarks/short_conv.md). With interpret=True the same kernels run on CPU (tests).
 """
 
 from __future__ import annotations
