@@ -27,3 +27,16 @@ def swapped(module, overrides: dict):
   finally:
     module.SETTINGS = saved
     jax.clear_caches()
+
+
+def is_pow2(n: int) -> bool:
+  """Whether n is a positive power of two (Triton block sizes must be)."""
+  return n >= 1 and n & (n - 1) == 0
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two <= cap (itself a power of two) dividing n."""
+  p = cap
+  while p > 1 and n % p:
+    p //= 2
+  return p

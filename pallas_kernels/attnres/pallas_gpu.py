@@ -32,10 +32,6 @@ from pallas_kernels.attnres import xla
 F32 = jnp.float32
 
 
-def _pow2(x: int) -> bool:
-  return x >= 1 and x & (x - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """Launch parameters (measured in benchmarks/attnres.md). Validated on construction."""
@@ -44,9 +40,9 @@ class Settings:
   num_warps: int = 4    # 1, 2, 4, 8 or 16
 
   def __post_init__(self):
-    if not _pow2(self.rows):
+    if not launch.is_pow2(self.rows):
       raise ValueError(f"attnres pallas_gpu: rows must be a power of two, got {self.rows!r}")
-    if not (_pow2(self.chunk) and self.chunk >= 16):
+    if not (launch.is_pow2(self.chunk) and self.chunk >= 16):
       raise ValueError(f"attnres pallas_gpu: chunk must be a power of two >= 16, got "
                        f"{self.chunk!r}")
     if self.num_warps not in (1, 2, 4, 8, 16):

@@ -36,10 +36,6 @@ DIGIT_BITS = 4
 ROUNDS = 32 // DIGIT_BITS
 
 
-def _pow2(x: int) -> bool:
-  return x >= 1 and x & (x - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """Launch parameters (benchmarks/qb_bisection.md). Validated on construction."""
@@ -50,12 +46,13 @@ class Settings:
   num_warps: int = 8    # 1, 2, 4, 8 or 16
 
   def __post_init__(self):
-    if not _pow2(self.rows):
+    if not launch.is_pow2(self.rows):
       raise ValueError(f"qb pallas_gpu: rows must be a power of two, got {self.rows!r}")
-    if not (_pow2(self.row_elements) and _pow2(self.resident) and self.resident >= 16):
+    if not (launch.is_pow2(self.row_elements) and launch.is_pow2(self.resident)
+            and self.resident >= 16):
       raise ValueError(f"qb pallas_gpu: row_elements and resident must be powers of two, got "
                        f"{self.row_elements!r}, {self.resident!r}")
-    if not (_pow2(self.chunk) and self.chunk >= 16):
+    if not (launch.is_pow2(self.chunk) and self.chunk >= 16):
       raise ValueError(f"qb pallas_gpu: chunk must be a power of two >= 16, got {self.chunk!r}")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"qb pallas_gpu: num_warps must be 1, 2, 4, 8 or 16, got "
@@ -68,14 +65,6 @@ SETTINGS = Settings()
 def configured(**overrides):
   """Context manager: SETTINGS with these fields replaced for a block (`launch.swapped`)."""
   return launch.swapped(sys.modules[__name__], overrides)
-
-
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-  """The largest power of two <= cap dividing n."""
-  p = cap
-  while p > 1 and n % p:
-    p //= 2
-  return p
 
 
 def _padded(num_experts: int) -> int:
@@ -91,12 +80,12 @@ def tiles(num_tokens: int, num_experts: int = 1,
   power of two <= the settings' chunk dividing T. None when T has no power-of-two divisor of
   16 or more."""
   settings = settings or SETTINGS
-  if _largest_pow2_divisor(num_tokens, 16) < 16:
+  if launch.largest_pow2_divisor(num_tokens, 16) < 16:
     return None
   row_cap = max(1, min(settings.rows, settings.row_elements // _padded(num_experts)))
-  rows = _largest_pow2_divisor(num_tokens, row_cap)
-  chunk = (num_tokens if _pow2(num_tokens) and num_tokens <= settings.resident
-           else _largest_pow2_divisor(num_tokens, settings.chunk))
+  rows = launch.largest_pow2_divisor(num_tokens, row_cap)
+  chunk = (num_tokens if launch.is_pow2(num_tokens) and num_tokens <= settings.resident
+           else launch.largest_pow2_divisor(num_tokens, settings.chunk))
   return rows, chunk
 
 

@@ -31,10 +31,6 @@ from pallas_kernels import launch
 F32 = jnp.float32
 
 
-def _pow2(x: int) -> bool:
-  return x >= 1 and x & (x - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """Launch parameters. Validated on construction."""
@@ -46,9 +42,9 @@ class Settings:
   forward: str = "xla"
 
   def __post_init__(self):
-    if not (_pow2(self.rows) and self.rows >= 8):
+    if not (launch.is_pow2(self.rows) and self.rows >= 8):
       raise ValueError(f"short_conv pallas_gpu: rows must be a power of two >= 8, got {self.rows!r}")
-    if not (_pow2(self.cols) and self.cols >= 16):
+    if not (launch.is_pow2(self.cols) and self.cols >= 16):
       raise ValueError(f"short_conv pallas_gpu: cols must be a power of two >= 16, got "
                        f"{self.cols!r}")
     if self.num_warps not in (1, 2, 4, 8, 16):
@@ -67,19 +63,12 @@ def configured(**overrides):
   return launch.swapped(sys.modules[__name__], overrides)
 
 
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-  p = cap
-  while p > 1 and n % p:
-    p //= 2
-  return p
-
-
 def tiles(num_rows: int, channels: int, settings: Settings | None = None) -> tuple[int, int] | None:
   """(rows, cols) of one program for N = num_rows tokens and C channels, or None when N has no
   power-of-two divisor of 8 or more or C none of 16 or more (Triton blocks are powers of two)."""
   settings = settings or SETTINGS
-  rows = _largest_pow2_divisor(num_rows, settings.rows)
-  cols = _largest_pow2_divisor(channels, settings.cols)
+  rows = launch.largest_pow2_divisor(num_rows, settings.rows)
+  cols = launch.largest_pow2_divisor(channels, settings.cols)
   if rows < 8 or cols < 16:
     return None
   return rows, cols
