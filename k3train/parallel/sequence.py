@@ -11,8 +11,10 @@ partitions the chunk scan itself. With the sequence axis of size P > 1 (docs/mat
   3. rank r folds ranks j < r in order (a state crosses from j to j+1 only if the document
      continues) and runs the op again from that entering state for its outputs.
 
-The short conv gets the previous rank's last W−1 pre-conv inputs (and their segment ids) by
-`ppermute`, so the conv history also resets at document starts that fall on a rank boundary.
+The short conv runs in a `shard_map` under every layout (its kernel backend must not reach the SPMD
+partitioner); with a sequence axis it gets the previous rank's last W−1 pre-conv inputs (and their
+segment ids) by `ppermute`, so the conv history also resets at document starts that fall on a
+rank boundary.
 Gradients flow through the op's own VJP and the transposed collectives.
 """
 
@@ -44,30 +46,44 @@ def _previous_rank(x, axis: tuple[str, ...], size: int):
 
 def causal_conv(x_bthk: jax.Array, w_whk: jax.Array, segment_ids_bt: jax.Array | None,
                 conv_fn) -> jax.Array:
-  """`conv_fn(x, w, segment_ids)` (the layer's depthwise causal conv) with a sequence halo."""
+  """`conv_fn(x, w, segment_ids)` (the layer's depthwise causal conv) under the active layout.
+
+  Under a layout the conv runs in a `shard_map` on each device's tokens and heads, so a kernel
+  backend is never handed to the SPMD partitioner (which would gather x onto every device); the
+  weight gradient's per-device sums are added by the map's transpose. With a `sequence` axis each
+  rank first takes the previous rank's last inputs (at least W − 1) as a halo."""
   spec = _layout_specs()
-  if spec is None or not spec[2]:
+  if spec is None:
     return conv_fn(x_bthk, w_whk, segment_ids_bt)
   mesh, b_axes, t_axes, h_axes = spec
   width = w_whk.shape[0]
   size = rules_lib.axis_size(mesh, t_axes)
   t_local = x_bthk.shape[1] // size
-  if t_local < width - 1:
+  if size > 1 and t_local < width - 1:
     raise ValueError(f"sequence parallelism: {t_local} tokens per `sequence` shard is fewer than "
                      f"the conv halo ({width - 1}); use a longer data.seq_len or fewer shards")
   if segment_ids_bt is None:
     segment_ids_bt = jnp.ones(x_bthk.shape[:2], jnp.int32)
 
+  # The halo: the W − 1 tokens the conv reads, rounded up to 8 where the shard is that long, so
+  # that a kernel's power-of-two token blocks still tile the shard plus its halo (the extra
+  # tokens' outputs are dropped).
+  halo = min(t_local, -(-(width - 1) // 8) * 8)
+
   def local(x, w, seg):
+    if size == 1:
+      return conv_fn(x, w, seg)
     r = jax.lax.axis_index(t_axes)
-    halo_x = _previous_rank(x[:, -(width - 1):], t_axes, size)
-    halo_seg = jnp.where(r == 0, -1, _previous_rank(seg[:, -(width - 1):], t_axes, size))
+    halo_x = _previous_rank(x[:, -halo:], t_axes, size)
+    halo_seg = jnp.where(r == 0, -1, _previous_rank(seg[:, -halo:], t_axes, size))
     y = conv_fn(jnp.concatenate([halo_x, x], axis=1), w, jnp.concatenate([halo_seg, seg], axis=1))
-    return y[:, width - 1:]
+    return y[:, halo:]
 
   x_spec = rules_lib.spec_from_axes(b_axes, t_axes, h_axes, ())
-  return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, rules_lib.spec_from_axes((), h_axes, ()), rules_lib.spec_from_axes(b_axes, t_axes)),
-                       out_specs=x_spec, check_vma=False)(x_bthk, w_whk, segment_ids_bt)
+  w_spec = rules_lib.spec_from_axes((), h_axes, ())
+  seg_spec = rules_lib.spec_from_axes(b_axes, t_axes)
+  return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, seg_spec), out_specs=x_spec,
+                       check_vma=False)(x_bthk, w_whk, segment_ids_bt)
 
 
 def _entering_states(m_bhkk, b_bhkv, seg_first_b, seg_last_b, axis, size: int):
