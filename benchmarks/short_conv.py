@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import _flags, _record  # noqa: E402
 from pallas_kernels import short_conv  # noqa: E402
-from pallas_kernels.short_conv import pallas_gpu  # noqa: E402
+from pallas_kernels.short_conv import op as short_conv_op, pallas_gpu  # noqa: E402
 
 PROG = "python benchmarks/short_conv.py"
 FLAGS = (
@@ -66,25 +66,9 @@ def _paths(settings):
       fields = text.split(":")
       rows, cols, warps = (int(v) for v in fields[:3])
       cfg = pallas_gpu.Settings(rows, cols, warps, *fields[3:])
-      def conv(x, w, s, cfg=cfg):
-        y, _ = _with_settings(x, w, s, cfg)
-        return y
-      paths[f"pallas_gpu[{text}]"] = conv
+      paths[f"pallas_gpu[{text}]"] = (
+          lambda x, w, s, conv=short_conv_op.pallas_gpu_conv(cfg): conv(x, w, s, False))
   return paths
-
-
-def _with_settings(x, w, seg, cfg):
-  """The custom_vjp of the kernels with explicit settings (the op reads SETTINGS)."""
-  from pallas_kernels.short_conv import vjp, xla
-
-  def fwd(a, b, s, interpret):
-    if cfg.forward == "xla":
-      return xla.causal_conv(a, b, s)
-    return pallas_gpu.forward(a, b, s, interpret=interpret, settings=cfg)
-
-  bwd = lambda a, d, b, s, interpret: pallas_gpu.backward(a, d, b, s, interpret=interpret,
-                                                          settings=cfg)
-  return vjp.differentiable_conv(fwd, bwd)(x, w, seg, False), None
 
 
 def _site(conv):

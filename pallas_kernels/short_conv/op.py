@@ -21,15 +21,23 @@ from pallas_kernels.short_conv import pallas_gpu, vjp, xla
 BACKENDS = ("auto", "xla", "pallas_gpu")
 
 
+def pallas_gpu_conv(settings: pallas_gpu.Settings | None = None):
+  """conv(x, w, segment_ids, interpret) of the "pallas_gpu" backend: vjp.py's custom_vjp with
+  pallas_gpu.py's backward kernel and, by `settings.forward`, xla.py's fused pass or the forward
+  kernel (the same fp32 sums rounded once, either way). settings None: pallas_gpu.SETTINGS as
+  they stand when the conv is traced."""
+  def forward(x, w, segment_ids, *, interpret: bool):
+    if (settings or pallas_gpu.SETTINGS).forward == "kernel":
+      return pallas_gpu.forward(x, w, segment_ids, interpret=interpret, settings=settings)
+    return xla.causal_conv(x, w, segment_ids)
 
-def _pallas_gpu_forward(x, w, segment_ids, *, interpret: bool):
-  """The custom_vjp's forward: the same fp32 sums rounded once, either way."""
-  if pallas_gpu.SETTINGS.forward == "kernel":
-    return pallas_gpu.forward(x, w, segment_ids, interpret=interpret)
-  return xla.causal_conv(x, w, segment_ids)
+  def backward(x, dy, w, segment_ids, *, interpret: bool):
+    return pallas_gpu.backward(x, dy, w, segment_ids, interpret=interpret, settings=settings)
+
+  return vjp.differentiable_conv(forward, backward)
 
 
-_pallas_gpu_conv = vjp.differentiable_conv(_pallas_gpu_forward, pallas_gpu.backward)
+_pallas_gpu_conv = pallas_gpu_conv()
 
 
 def resolve_backend(backend: str, num_rows: int | None = None,

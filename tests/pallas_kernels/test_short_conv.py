@@ -89,6 +89,20 @@ def test_kernels_equal_xla_without_segments_and_with_blocks_across_rows():
       assert np.all(np.abs(g - h) <= 2 * _half_ulp(h, x.dtype) + 1e-6), (width, channels, t)
 
 
+def test_kernel_backend_with_explicit_settings_equals_xla():
+  """op.pallas_gpu_conv(settings) (what the benchmark times per launch setting) with either
+  forward gives the xla backend's values and gradients (fp32 sums of the same terms in another
+  order: within 1e-6 of each array's largest entry), whatever the module's SETTINGS are."""
+  x, w, dy, seg = _inputs(dtype=F32)
+  want = _run("xla", x, w, dy, seg)
+  for forward in ("xla", "kernel"):
+    conv = op.pallas_gpu_conv(pallas_gpu.Settings(rows=16, cols=16, forward=forward))
+    y, pull = jax.vjp(lambda a, b: conv(a, b, seg, True), x, w)
+    for g, h in zip((y, *pull(dy)), want):
+      h = np.asarray(h)
+      np.testing.assert_allclose(np.asarray(g), h, rtol=0, atol=1e-6 * np.abs(h).max())
+
+
 def test_first_tokens_see_no_earlier_row():
   """A row's first W−1 tokens read nothing from the row before it in the flattened token axis."""
   x = jnp.ones((2, 8, 16), F32)

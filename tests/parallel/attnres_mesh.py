@@ -15,19 +15,18 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh
 
 from k3train.parallel import attnres as parallel_attnres
 from k3train.parallel import axes as ax
 from k3train.parallel import rules as rules_lib
+from tests.parallel.mesh_cases import (collective_counts, gradient_error, host_mesh,
+                                       normal_arrays)
 
 N, B, T, D = 4, 4, 32, 64
 EPS = 1e-6
-MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
 CASES = {
-    # name: (mesh sizes in MESH_AXES order, rules, backend)
+    # name: (mesh sizes in mesh_cases.MESH_AXES order, rules, backend)
     "data=2,sequence=2 pallas_gpu": ((2, 1, 1, 2, 1), "long_context", "pallas_gpu"),
     "fsdp=4 pallas_gpu": ((1, 4, 1, 1, 1), "default", "pallas_gpu"),
     "data=2,sequence=2 xla": ((2, 1, 1, 2, 1), "long_context", "xla"),
@@ -35,8 +34,7 @@ CASES = {
 
 
 def operands():
-  rng = np.random.default_rng(0)
-  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  normal = normal_arrays(0)
   return (normal(N, B, T, D), normal(B, T, D), 0.3 * normal(D), 1.0 + 0.1 * normal(D),
           normal(B, T, D), normal(N, B, T, D), normal(B, T, D))
 
@@ -61,24 +59,20 @@ def main(names) -> int:
   reference, _ = grads("xla")
   for name in names:
     sizes, rules, backend = CASES[name]
-    mesh = Mesh(np.array(jax.devices()).reshape(sizes), MESH_AXES)
-    with rules_lib.activate(mesh, rules_lib.get_rules(rules)):
+    with rules_lib.activate(host_mesh(sizes), rules_lib.get_rules(rules)):
       got, hlo = grads(backend)
-    scale = max(float(jnp.abs(r).max()) for r in reference)
-    err = max(float(jnp.abs(g - r).max()) for g, r in zip(got, reference))
-    collectives = {c: hlo.count(f" {c}(") for c in ("all-gather", "all-reduce", "all-to-all")}
-    print(json.dumps({"case": name, "grad_err": err, "grad_scale": scale,
-                      "collectives": collectives}), flush=True)
+    print(json.dumps({"case": name, **gradient_error(got, reference),
+                      "collectives": collective_counts(hlo, ("all-gather", "all-reduce",
+                                                             "all-to-all"))}), flush=True)
   # A layout that splits the model width: "auto" falls back to xla, the kernel by name refuses.
-  mesh = Mesh(np.array(jax.devices()).reshape((2, 1, 1, 1, 2)), MESH_AXES)
-  with rules_lib.activate(mesh, {**rules_lib.get_rules("default"), ax.EMBED: ("tensor",)}):
+  with rules_lib.activate(host_mesh((2, 1, 1, 1, 2)), {**rules_lib.get_rules("default"), ax.EMBED: ("tensor",)}):
     got, _ = grads("auto")
     try:
       grads("pallas_gpu")
       error = None
     except ValueError as e:
       error = str(e)
-  err = max(float(jnp.abs(g - r).max()) for g, r in zip(got, reference))
+  err = gradient_error(got, reference)["grad_err"]
   print(json.dumps({"case": "embed split", "auto_grad_err": err, "pallas_gpu_error": error}),
         flush=True)
   return 0

@@ -17,19 +17,19 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from k3train.parallel import axes as ax
 from k3train.parallel import rules as rules_lib
 from k3train.parallel import sequence as seq_parallel
 from pallas_kernels import short_conv
 from pallas_kernels.short_conv import pallas_gpu
+from tests.parallel.mesh_cases import (collective_counts, gradient_error, host_mesh,
+                                       normal_arrays)
 
 B, T, H, K, W = 4, 32, 2, 16, 4
-MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
 CASES = {
-    # name: (mesh sizes in MESH_AXES order, rules, backend)
+    # name: (mesh sizes in mesh_cases.MESH_AXES order, rules, backend)
     "fsdp=4 pallas_gpu": ((1, 4, 1, 1, 1), "default", "pallas_gpu"),
     "data=2,tensor=2 pallas_gpu": ((2, 1, 1, 1, 2), "default", "pallas_gpu"),
     "data=2,sequence=2 pallas_gpu": ((2, 1, 1, 2, 1), "long_context", "pallas_gpu"),
@@ -38,8 +38,7 @@ CASES = {
 
 
 def operands():
-  rng = np.random.default_rng(0)
-  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  normal = normal_arrays(0)
   # Documents of 5, 20 and 7 tokens in every row: starts inside and across shard boundaries.
   seg = jnp.asarray(np.repeat(np.arange(3), (5, 20, 7))[None].repeat(B, 0), jnp.int32)
   return normal(B, T, H, K), 0.5 * normal(W, H, K), seg, normal(B, T, H, K)
@@ -61,16 +60,12 @@ def main(names) -> int:
   reference, _ = grads("xla")
   for name in names:
     sizes, rules, backend = CASES[name]
-    mesh = Mesh(np.array(jax.devices()).reshape(sizes), MESH_AXES)
-    with rules_lib.activate(mesh, rules_lib.get_rules(rules)), \
+    with rules_lib.activate(host_mesh(sizes), rules_lib.get_rules(rules)), \
         pallas_gpu.configured(rows=8, cols=16):
       got, hlo = grads(backend)
-    scale = max(float(jnp.abs(r).max()) for r in reference)
-    err = max(float(jnp.abs(g - r).max()) for g, r in zip(got, reference))
-    collectives = {c: hlo.count(f" {c}(") for c in ("all-gather", "all-reduce",
-                                                      "collective-permute")}
-    print(json.dumps({"case": name, "grad_err": err, "grad_scale": scale,
-                      "collectives": collectives}), flush=True)
+    print(json.dumps({"case": name, **gradient_error(got, reference),
+                      "collectives": collective_counts(hlo, ("all-gather", "all-reduce",
+                                                             "collective-permute"))}), flush=True)
   return 0
 
 
