@@ -16,6 +16,11 @@ permutation can be written as gathers instead, because the inverse permutation i
 
 inv[p] is the sorted row holding pair p. Every sum is one gather feeding a reduction over the k
 axis in fp32: no atomics, so results and gradients are deterministic on every backend.
+
+Each row gather reads its source k times and computes its row index once per element, so both
+are materialised first (`_gather_source`, `_token_rows`): left to itself XLA fuses the source's
+producer (a norm's backward, a cast) and jnp's floor division into the gather and recomputes
+them for every element of every gathered row.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def inverse_permutation(perm_p: jax.Array) -> jax.Array:
@@ -31,6 +37,18 @@ def inverse_permutation(perm_p: jax.Array) -> jax.Array:
   num = perm_p.shape[0]
   return jnp.zeros((num,), jnp.int32).at[perm_p].set(
       jnp.arange(num, dtype=jnp.int32), unique_indices=True)
+
+
+def _gather_source(x):
+  """x computed and stored once before a gather reads each of its rows k times (an optimization
+  barrier: XLA does not fuse x's producer into the gather)."""
+  return lax.optimization_barrier(x)
+
+
+def _token_rows(perm_p, top_k: int):
+  """perm[i] // k, the token of sorted row i, as a stored index array. perm is non-negative, so
+  truncating division is floor division."""
+  return lax.optimization_barrier(lax.div(perm_p, jnp.asarray(top_k, perm_p.dtype)))
 
 
 def _rows(x, idx):
@@ -49,7 +67,7 @@ def _sum_pairs(y_sorted_pd, inv_p, top_k: int, weights_tk=None) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def sort_rows(x_td: jax.Array, perm_p: jax.Array, top_k: int) -> jax.Array:
   """x_sorted [T·k, D] with x_sorted[i] = x[perm[i] // top_k]."""
-  return _rows(x_td, perm_p // top_k)
+  return _rows(_gather_source(x_td), _token_rows(perm_p, top_k))
 
 
 def _sort_rows_fwd(x_td, perm_p, top_k):
@@ -81,9 +99,9 @@ def _unsort_sum_fwd(y_sorted_pd, weights_tk, perm_p):
 def _unsort_sum_bwd(residuals, dy_td):
   y_sorted_pd, weights_tk, perm_p, inv_p = residuals
   num_tokens, top_k = weights_tk.shape
-  dy_td = dy_td.astype(jnp.float32)
+  dy_td = _gather_source(dy_td.astype(jnp.float32))
   w_p = weights_tk.reshape(-1).astype(jnp.float32)
-  d_sorted = _rows(dy_td, perm_p // top_k) * _rows(w_p, perm_p)[:, None]
+  d_sorted = _rows(dy_td, _token_rows(perm_p, top_k)) * _rows(w_p, perm_p)[:, None]
   y_tkd = _rows(y_sorted_pd, inv_p).reshape(num_tokens, top_k, -1)
   d_weights = jnp.sum(y_tkd.astype(jnp.float32) * dy_td[:, None, :], axis=-1)
   return d_sorted.astype(y_sorted_pd.dtype), d_weights.astype(weights_tk.dtype), None
@@ -105,7 +123,8 @@ def _unsort_add_fwd(y_sorted_pd, perm_p, top_k):
 
 def _unsort_add_bwd(top_k, residuals, dy_td):
   perm_p, like = residuals
-  return _rows(dy_td, perm_p // top_k).astype(like.dtype), None
+  # Rounded before the gather (the same values as rounding each gathered row): half the bytes.
+  return _rows(_gather_source(dy_td.astype(like.dtype)), _token_rows(perm_p, top_k)), None
 
 
 unsort_add.defvjp(_unsort_add_fwd, _unsort_add_bwd)
