@@ -9,19 +9,27 @@ import jax
 from jax.extend import core as jcore
 
 
+def _equations(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(sub, jcore.ClosedJaxpr):
+          yield from _equations(sub.jaxpr)
+        elif isinstance(sub, jcore.Jaxpr):
+          yield from _equations(sub)
+
+
 def primitive_counts(fn, *args) -> collections.Counter:
   """name → number of equations of that primitive in make_jaxpr(fn)(*args), nested ones too."""
-  counts: collections.Counter = collections.Counter()
+  return collections.Counter(eqn.primitive.name
+                             for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr))
 
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      counts[eqn.primitive.name] += 1
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (list, tuple)) else [value]:
-          if isinstance(sub, jcore.ClosedJaxpr):
-            walk(sub.jaxpr)
-          elif isinstance(sub, jcore.Jaxpr):
-            walk(sub)
 
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return counts
+def pallas_kernel_names(fn, *args) -> collections.Counter:
+  """kernel function name → number of pallas_calls of it in make_jaxpr(fn)(*args), nested ones
+  too (the name is the kernel body's, from its jaxpr's debug info)."""
+  return collections.Counter(eqn.params["jaxpr"].debug_info.func_name
+                             for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr)
+                             if eqn.primitive.name == "pallas_call")
