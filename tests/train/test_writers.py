@@ -238,6 +238,10 @@ def test_gradient_norm_groups_split_the_global_norm():
   groups64 = sum(float(v) ** 2 for v in norms.values())
   assert groups64 == pytest.approx(total64, rel=1e-5)
   assert groups64 == pytest.approx(float(optax.tree.norm(grads)) ** 2, rel=1e-5)
+  # The step's global norm is the root of the groups' sums (one sum of squares per leaf).
+  total, by_group = step.grad_norms(grads)
+  assert by_group.keys() == norms.keys()
+  assert float(total) ** 2 == pytest.approx(total64, rel=1e-5)
   group_of = {"/".join(path_names(p)): g for (p, _), g in
               zip(jax.tree_util.tree_leaves_with_path(grads), step.grad_groups(grads))}
   expected = {
