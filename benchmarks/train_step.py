@@ -59,7 +59,10 @@ LLVM and PTX compilation), inclusive seconds and counts, so compile time can be 
 nothing initialised, no step run) and reports the same compile and memory fields: compile
 experiments without the model's initialisation. Every run also prints "<variant>: compiled in …"
 on stderr as soon as the step has compiled. A second compile in one process reuses XLA's
-autotuning results, so compile times compare only as each process's first compile.
+autotuning results, so compile times compare only as each process's first compile; and a
+variant that changes XLA's autotuning (an `xla_gpu_autotune*` option) compiled after another
+gets the earlier variant's tuned choices from memory, not what its option asks for: its row
+carries a `caveat` (run such a variant as its process's base).
 `--lower_profile` runs tracing and lowering under cProfile and reports `lower_profile`: the
 functions with the most cumulative and the most own time (seconds, calls, file:line(name)).
 
@@ -161,6 +164,19 @@ def profile_executable(lowered, compiled, hlo_text: str, backend: str, use_timed
   profiled = lowered.compile(compiler_options=extra)
   return (profiled, profiled.as_text() or "",
           f"compiled apart with {extra} in {time.perf_counter() - t0:.1f} s")
+
+
+def shared_autotuning_caveat(position: int, pairs: dict) -> str | None:
+  """Why the executable of the variant at `position` (0: base) may not be what its overrides ask
+  for: XLA keeps autotuning results in memory for the process, so an autotuning option
+  (`xla_gpu_autotune_level=0`, say) in a later variant is served the earlier variants' choices
+  (seen on an H200: the same kernels and step time as base, while alone that option compiled
+  ~180 more kernels and ran far slower). None when nothing is shared."""
+  if position > 0 and "xla_gpu_autotune" in pairs.get("train.xla_options", ""):
+    return ("compiled after other variants in this process: XLA served their autotuning "
+            "results from memory, so this variant's autotuning options did not apply; run it "
+            "as a process's base")
+  return None
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:
@@ -841,13 +857,17 @@ def main(argv=None) -> int:
   env = _record.environment(xla_flags=os.environ.get("XLA_FLAGS", ""),
                             mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ""))
   rows = []
-  for name, pairs in variants:
+  for position, (name, pairs) in enumerate(variants):
     cfg = apply_overrides(args.config, pairs)
     try:
       row = measure(cfg, fv, name, xla_dump)
     except Exception as e:                                   # noqa: BLE001
       row = {"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     row.update(env, overrides=pairs)
+    caveat = shared_autotuning_caveat(position, pairs)
+    if caveat:
+      row["caveat"] = caveat
+      print(f"{name}: {caveat}", file=sys.stderr, flush=True)
     rows.append(row)
     print(json.dumps(row), flush=True)
   print(f"{'variant':<12} {'step ms':>9} {'tok/s':>9} {'MFU':>6} {'compile s':>9} {'peak GiB':>8} "

@@ -293,3 +293,14 @@ def test_the_profile_runs_its_own_executable_where_the_backend_asks(monkeypatch)
   assert float(exe(jnp.ones((8,), jnp.float32))[0]) == float(compiled(jnp.ones((8,), jnp.float32))[0])
   assert script.profile_executable(lowered, compiled, "hlo", "cpu", use_timed=True)[2] == "the timed one"
   assert script.PROFILE_COMPILER_OPTIONS["gpu"] == {"xla_gpu_enable_command_buffer": ""}
+
+
+def test_a_later_variant_with_an_autotuning_option_is_flagged():
+  # XLA serves a later variant the autotuning results earlier ones left in memory: a variant
+  # whose options change autotuning is flagged unless it is the process's base.
+  caveat = _script().shared_autotuning_caveat
+  options = {"train.xla_options": "xla_gpu_autotune_level=0"}
+  assert caveat(0, options) is None
+  assert "autotuning" in caveat(1, options)
+  assert caveat(2, {"train.xla_options": "xla_gpu_enable_triton_gemm=false"}) is None
+  assert caveat(1, {"model.dtype": "float32"}) is None
