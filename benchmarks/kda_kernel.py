@@ -22,8 +22,7 @@ options joined by "-" (pallas_gpu.Settings fields in brackets):
   [strip_bk, strip_warps, strip_stages]), xw<N> (num_warps of the WY inverse kernel
   [inverse_warps]), wubk<N> (column block of the W/U kernels [wu_bk]), ibk<N> / iw<N> / st<N>
   (K-block of the intra-chunk backward kernels, num_warps of those and of W/U, num_stages of the
-  inverse, W/U and backward kernels [intra_bk, intra_warps, intra_stages]), strips (the score
-  gradients by 16-row strips instead of chunk-wide levels [score_bwd]).
+  inverse, W/U and backward kernels [intra_bk, intra_warps, intra_stages]).
 Each variant is compiled and timed inside `pallas_gpu.configured(...)`.
 
 1. Checks (printed as max abs errors): pallas_gpu (each --check_variants) against the fp32 token
@@ -118,8 +117,7 @@ _INT_OPTIONS = {"bv": "bv", "w": "state_warps", "sst": "state_stages", "wst": "w
                 "xw": "inverse_warps", "wubk": "wu_bk", "ibk": "intra_bk", "iw": "intra_warps",
                 "st": "intra_stages"}
 _FLAG_OPTIONS = {"sfwd": ("split_fwd", True), "nosfwd": ("split_fwd", False),
-                 "wbwd": ("wide_bwd", True), "nowbwd": ("wide_bwd", False),
-                 "strips": ("score_bwd", "strips")}
+                 "wbwd": ("wide_bwd", True), "nowbwd": ("wide_bwd", False)}
 
 
 def parse_options(name, opts):

@@ -26,10 +26,3 @@ def primitive_counts(fn, *args) -> collections.Counter:
   return collections.Counter(eqn.primitive.name
                              for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr))
 
-
-def pallas_kernel_names(fn, *args) -> collections.Counter:
-  """kernel function name → number of pallas_calls of it in make_jaxpr(fn)(*args), nested ones
-  too (the name is the kernel body's, from its jaxpr's debug info)."""
-  return collections.Counter(eqn.params["jaxpr"].debug_info.func_name
-                             for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr)
-                             if eqn.primitive.name == "pallas_call")

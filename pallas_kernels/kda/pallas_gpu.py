@@ -7,8 +7,7 @@ over batch × head × V-blocks). With interpret=True the same kernels run on CPU
 
 Forward: `chunk_cumsum` (Γ), `intra` (pallas_gpu_intra: strip scores, WY inverse, W and U),
 `state_fwd`. Backward: `state_bwd`, `chunk_bwd`, `intra_bwd` (WY backward, then score gradients
-per K-block, ending at dg: by chunk-wide levels, or by 16-row strips with `score_bwd="strips"`).
-`vjp.py` drives them.
+per K-block, ending at dg). `vjp.py` drives them.
 
 The forward state pass has two forms with the same contract and the same numbers (kernels.py),
 chosen per call by the grid rule `split_forward`:
@@ -39,7 +38,6 @@ from pallas_kernels.kda import kernels, pallas_gpu_intra
 
 F32 = jnp.float32
 SUB = 16             # rows of one strip of the score kernel (and of the WY inverse's blocks)
-SCORE_BWD_FORMS = ("levels", "strips")   # `Settings.score_bwd`: the score-gradient kernel's form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +61,6 @@ class Settings:
   intra_bk: int = 32             # K-columns per block in the intra-chunk backward kernels
   intra_warps: int = 4           # num_warps of the W/U and intra-chunk backward kernels
   intra_stages: int = 3          # num_stages of the WY inverse, W/U and backward kernels
-  score_bwd: str = "levels"      # score gradients by chunk-wide "levels" or by 16-row "strips"
 
   def __post_init__(self):
     for name in ("bv", "split_fwd_bv", "wide_bwd_bv", "strip_bk", "wu_bk", "intra_bk"):
@@ -71,9 +68,6 @@ class Settings:
     for name in ("state_warps", "wide_bwd_warps", "strip_warps", "inverse_warps",
                  "intra_warps"):
       _check_warps(getattr(self, name), name)
-    if self.score_bwd not in SCORE_BWD_FORMS:
-      raise ValueError(f"kda pallas_gpu: score_bwd must be one of {', '.join(SCORE_BWD_FORMS)}, "
-                       f"got {self.score_bwd!r}")
     for name in ("state_stages", "wide_stages", "strip_stages", "intra_stages"):
       if getattr(self, name) not in (1, 2, 3, 4):
         raise ValueError(f"kda pallas_gpu: {name} must be 1, 2, 3 or 4, got "
@@ -504,14 +498,8 @@ def intra_bwd(q, k, v, gam, beta, cnt, akk, inv, w, u, daqk, dw, du, dqg, dkt, d
   nkb = dk // bk
   kblk = _col_block(chunk, bk, nkb)
   whole = lambda d_: _tok(chunk, d_, nkb)
-  if SETTINGS.score_bwd == "strips":
-    score_kernel = functools.partial(pallas_gpu_intra.score_bwd_strips_kernel, sub=SUB,
-                                     scale=scale, mm_dtype=q.dtype)
-  else:
-    score_kernel = functools.partial(pallas_gpu_intra.score_bwd_kernel, scale=scale,
-                                     mm_dtype=q.dtype)
   dq, dk_, dg = pl.pallas_call(
-      score_kernel,
+      functools.partial(pallas_gpu_intra.score_bwd_kernel, scale=scale, mm_dtype=q.dtype),
       grid=(b, n * nkb, h),
       in_specs=[kblk, kblk, kblk, whole(1), _cnt_col(chunk, nkb), _cnt_row(chunk, nkb),
                 whole(chunk), whole(chunk), whole(chunk), kblk, kblk, kblk, _chunk_vec(bk, nkb)],

@@ -27,9 +27,7 @@ Kernels, in launch order (pallas_gpu.py): forward `strip_scores_kernel` (one 16-
 program: its rows of A_qk and A_kk, plus the gated operands e^Γ⊙Q, e^{Γ_C−Γ}⊙K, β⊙e^Γ⊙K),
 `inverse_kernel` (X per chunk, by 16-row blocks), then `wu_kernel` (W and U per chunk and column
 block, K = V) or `w_kernel` and `u_kernel`; backward `wy_bwd_kernel` (per chunk) then
-`score_bwd_kernel` (per chunk and K-block; the score gradients by chunk-wide levels) or
-`score_bwd_strips_kernel` (the same results, the pairs split by strips as the forward splits them;
-`pallas_gpu.Settings.score_bwd`).
+`score_bwd_kernel` (per chunk and K-block).
 """
 
 from __future__ import annotations
@@ -365,97 +363,3 @@ def _score_grads(q_ref, k_ref, gam_ref, cnt_ref, cntr_ref, beta, inv, daqk_ref, 
     return _
 
   lax.fori_loop(0, width // bk, grad_block, 0)
-
-
-def score_bwd_strips_kernel(q_ref, k_ref, gam_ref, beta_ref, cnt_ref, cntr_ref, inv_ref,
-                            daqk_ref, dakk_ref, dw_ref, dqg_ref, dkt_ref, ddl_ref, dq_ref,
-                            dk_ref, dg_ref, *, sub, scale, mm_dtype):
-  """`score_bwd_kernel` with the score gradients by strips instead of by chunk-wide levels.
-
-  The pairs of a chunk are split as the forward's `strip_scores_kernel` splits them: inside each
-  [sub, sub] diagonal block by levels (4 levels of [sub, sub] dots at sub = 16), and between
-  strip r and an earlier block j < r through the strip's first row m, e^{Γ_x − Γ_s} =
-  e^{Γ_x − Γ_m} · e^{Γ_m − Γ_s} (both ≤ 1), one [sub, sub] dot per gradient and block pair. At
-  C = 64 that is 0.7 M multiply-adds per K-block against 3.1 M for 6 levels of [C, C] dots.
-  Strips run last to first: a block's column-side gradient collects from every later strip before
-  the block is finished, and dg (the reverse in-chunk cumsum) carries the later strips' column
-  sums. Same refs and results as `score_bwd_kernel` (one K-block per program)."""
-  c, bk = q_ref.shape
-  nb = c // sub
-  row, col = _iota((sub, sub), 0), _iota((sub, sub), 1)
-  last = pl.ds(c - 1, 1)
-  cnt_last = cnt_ref[last, :]
-  gam_last = gam_ref[last, :]
-  tri_up = (col >= row).astype(F32)
-  dw = dw_ref[...]
-
-  def strip(r):
-    rows = pl.ds(r * sub, sub)
-    return (rows, q_ref[rows, :].astype(F32) * scale, k_ref[rows, :].astype(F32),
-            gam_ref[rows, :], cnt_ref[rows, :])
-
-  def tail(gam, cnt):
-    return jnp.where(cnt == cnt_last, jnp.exp(gam_last - gam), 0.0)
-
-  # The state-decay cotangent on the chunk's last row needs Σ over all rows of dkt ⊙ kt.
-  kt_all = k_ref[...].astype(F32) * tail(gam_ref[...], cnt_ref[...])
-  dkt_kt_sum = jnp.sum(dkt_ref[...].astype(F32) * kt_all, axis=0, keepdims=True)
-
-  col_side = [None] * nb                         # Σ over later strips, per block [sub, bk]
-  carry = jnp.zeros((1, bk), F32)                # Σ of dΓ over the rows after this strip
-  for r in range(nb - 1, -1, -1):
-    rows, q, k, gam, cnt = strip(r)
-    own = pl.ds(r * sub, sub)
-    daqk = jnp.where((cnt == cntr_ref[:, own]) & (col <= row),
-                     daqk_ref[rows, own].astype(F32), 0.0)
-    dakk = dakk_ref[rows, own]
-    d_diag = jnp.sum(jnp.where(row == col, daqk, 0.0), axis=1, keepdims=True)
-    dq_a, dk_row, dk_col = d_diag * k, jnp.zeros_like(k), d_diag * q
-    for half in levels(sub):                     # pairs inside the diagonal block
-      mask = level_mask(sub, half)
-      daqk_l = jnp.where(mask, daqk, 0.0)
-      dakk_l = jnp.where(mask, dakk, 0.0)
-      e = level_decay(gam_ref, gam, pl.ds(0, bk), sub, half, r * sub)
-      qe, ke = q * e, k * e
-      dq_a = dq_a + e * mm(daqk_l, ke, mm_dtype)
-      dk_row = dk_row + e * mm(dakk_l, ke, mm_dtype)
-      dk_col = dk_col + e * (mm_tn(daqk_l, qe, mm_dtype) + mm_tn(dakk_l, ke, mm_dtype))
-    if r:                                         # pairs with earlier blocks, through row m
-      gam_m = gam_ref[pl.ds(r * sub, 1), :]
-      a = jnp.exp(gam - gam_m)                   # e^{Γ_x − Γ_m}, x in the strip
-      qa, ka = q * a, k * a
-      to_rows_qk = jnp.zeros_like(k)
-      to_rows_kk = jnp.zeros_like(k)
-      for j in range(r):
-        blk = pl.ds(j * sub, sub)
-        b = jnp.exp(gam_m - gam_ref[blk, :])     # e^{Γ_m − Γ_s}, s in block j
-        kb = k_ref[blk, :].astype(F32) * b
-        daqk_j = jnp.where(cnt == cntr_ref[:, blk], daqk_ref[rows, blk].astype(F32), 0.0)
-        dakk_j = dakk_ref[rows, blk]
-        to_rows_qk = to_rows_qk + mm(daqk_j, kb, mm_dtype)
-        to_rows_kk = to_rows_kk + mm(dakk_j, kb, mm_dtype)
-        from_rows = b * (mm_tn(daqk_j, qa, mm_dtype) + mm_tn(dakk_j, ka, mm_dtype))
-        col_side[j] = from_rows if col_side[j] is None else col_side[j] + from_rows
-      dq_a = dq_a + a * to_rows_qk
-      dk_row = dk_row + a * to_rows_kk
-    if col_side[r] is not None:
-      dk_col = dk_col + col_side[r]
-
-    sees = cnt == 0.0
-    decay = jnp.exp(gam)
-    e_tail = tail(gam, cnt)
-    kt = k * e_tail
-    dkg = beta_ref[rows, :].astype(F32) * mm_tn(inv_ref[:, own], dw, mm_dtype)
-    dqg = dqg_ref[rows, :].astype(F32)
-    dkt = dkt_ref[rows, :].astype(F32)
-    dq = jnp.where(sees, dqg * decay, 0.0) + dq_a
-    dk_ = jnp.where(sees, dkg * decay, 0.0) + dkt * e_tail + dk_row + dk_col
-    dgam = (jnp.where(sees, (dqg * q + dkg * k) * decay, 0.0) - dkt * kt
-            + q * dq_a + k * dk_row - k * dk_col)
-    if r == nb - 1:
-      dgam = dgam + jnp.where(_iota((sub, 1), 0) == sub - 1, dkt_kt_sum + ddl_ref[...], 0.0)
-    dq_ref[rows, :] = (dq * scale).astype(dq_ref.dtype)
-    dk_ref[rows, :] = dk_.astype(dk_ref.dtype)
-    dg_ref[rows, :] = (mm_precise(tri_up, dgam, mm_dtype, a_exact=True) + carry
-                       ).astype(dg_ref.dtype)
-    carry = carry + jnp.sum(dgam, axis=0, keepdims=True)

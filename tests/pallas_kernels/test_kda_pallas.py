@@ -21,18 +21,15 @@ import pytest
 
 from pallas_kernels.kda import kda, pallas_gpu
 from pallas_kernels.kda import intra as intra_lib
-from tests.jaxprs import pallas_kernel_names
 from tests.pallas_kernels.test_kda import make_inputs, max_err
 
-PALLAS = ("pallas_gpu", "pallas_gpu_split_fwd_wide_bwd", "pallas_gpu_score_strips", "pallas_tpu")
+PALLAS = ("pallas_gpu", "pallas_gpu_split_fwd_wide_bwd", "pallas_tpu")
 # variant name -> (kda backend, pallas_gpu.configured overrides or None for the module defaults)
 VARIANTS = {
     "pallas_gpu": ("pallas_gpu", None),
     # The forward / backward state-pass choices the grid rule makes on a GPU at many heads.
     "pallas_gpu_split_fwd_wide_bwd": ("pallas_gpu", dict(split_fwd=True, wide_bwd=True,
                                                          wu_bk=32)),
-    # The score gradients by 16-row strips instead of chunk-wide levels.
-    "pallas_gpu_score_strips": ("pallas_gpu", dict(score_bwd="strips")),
     "pallas_tpu": ("pallas_tpu", None),
     "reference": ("reference", None),
 }
@@ -144,38 +141,6 @@ def test_split_equals_fused_fp32(split):
     assert max_err(x, ref) <= 2e-6 * max(max_err(ref, 0.0), 1e-3), name
 
 
-def test_score_gradients_by_strips_equal_those_by_levels_fp32():
-  # Both forms split every pair's decay into two factors ≤ 1 and take the same dots over the
-  # same pairs, through different middle rows (a strip's first row, a level's middle row): in
-  # fp32 they agree to rounding, ≤ 2e-6 × the levels result's max magnitude, far below the 1e-4
-  # reference tolerance. The forward is shared, so o and S are equal.
-  levels = packed_results("pallas_gpu", "float32")
-  strips = packed_results("pallas_gpu_score_strips", "float32")
-  assert max_err(strips[0], levels[0]) == 0.0 and max_err(strips[1], levels[1]) == 0.0
-  for name, x, ref in zip(GRAD_NAMES, strips[2], levels[2]):
-    assert max_err(x, ref) <= 2e-6 * max(max_err(ref, 0.0), 1e-3), name
-
-
-@pytest.mark.parametrize("chunk", [16, 32])
-def test_score_gradients_by_strips_at_smaller_chunks(chunk):
-  # One and two strips per chunk (no earlier block / one), K ≠ V, a reset inside a chunk.
-  inputs = make_inputs(25, b=1, t=100, h=2, dk=32, dv=16, dtype=jnp.float32)
-  seg = np.repeat([0, 1], [37, 63])[None]
-
-  def grads(backend):
-    def loss(q, k, v, g, beta, s0):
-      o, s = kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, chunk_size=chunk,
-                 output_final_state=True, backend=backend)
-      return jnp.sum(o * jnp.cos(o)) + jnp.sum(s)
-    return jax.grad(loss, argnums=tuple(range(6)))(*inputs)
-
-  want = grads("reference")
-  with pallas_gpu.configured(score_bwd="strips"):
-    got = grads("pallas_gpu")
-  for name, x, ref in zip(GRAD_NAMES, got, want):
-    assert max_err(x, ref) <= 1e-4, name
-
-
 def _pallas_calls(fn, *args):
   return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
 
@@ -193,12 +158,6 @@ def test_variant_switch_reaches_the_kernels():
   with pallas_gpu.configured(split_fwd=True, split_fwd_bv=16):
     assert counts() == (6, 10)
   assert counts() == (5, 9)
-  # The score-gradient form swaps one backward kernel for another.
-  kernels = lambda: pallas_kernel_names(grad, q, k, v, g, beta)
-  assert kernels()["score_bwd_kernel"] == 1 and "score_bwd_strips_kernel" not in kernels()
-  with pallas_gpu.configured(score_bwd="strips"):
-    assert counts() == (5, 9) and kernels()["score_bwd_strips_kernel"] == 1
-    assert "score_bwd_kernel" not in kernels()
   assert pallas_gpu.SETTINGS == pallas_gpu.Settings()
 
 
@@ -250,7 +209,6 @@ def test_state_pass_variants_by_grid_size():
                                        (dict(split_fwd_bv=96), "split_fwd_bv must be"),
                                        (dict(wu_bk=48), "wu_bk must be"),
                                        (dict(wide_stages=5), "wide_stages must be"),
-                                       (dict(score_bwd="rows"), "score_bwd must be one of"),
                                        (dict(warps=8), "unexpected keyword")])
 def test_variant_bad_settings_raise(kw, match):
   with pytest.raises((ValueError, TypeError), match=match):
