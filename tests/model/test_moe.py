@@ -477,6 +477,8 @@ def test_kth_largest_per_column_equals_a_sort(unroll, digit_bits):
   # the same element a descending sort puts at index k, including ±0 ties, −inf padding and
   # values across six decades; 1, 2, 4 or 8 bits per round, unrolled or as a loop.
   from pallas_kernels.qb.xla import kth_largest_per_column
+  # Jitted (as in the train step): one program per setting serves the 20 draws (k is traced).
+  select = jax.jit(kth_largest_per_column, static_argnames=("unroll", "digit_bits"))
   rng = np.random.default_rng(0)
   for _ in range(20):
     x = (rng.standard_normal((50, 7)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
@@ -484,10 +486,9 @@ def test_kth_largest_per_column_equals_a_sort(unroll, digit_bits):
     x[rng.random((50, 7)) < 0.1] = 0.0
     x[:3] = -0.0
     k = int(rng.integers(0, 50))
-    got = np.asarray(kth_largest_per_column(jnp.asarray(x), jnp.int32(k), unroll=unroll,
-                                            digit_bits=digit_bits))
+    got = np.asarray(select(jnp.asarray(x), jnp.int32(k), unroll=unroll, digit_bits=digit_bits))
     np.testing.assert_array_equal(got, -np.sort(-x, axis=0)[k])
-    one_bit = np.asarray(kth_largest_per_column(jnp.asarray(x), jnp.int32(k), digit_bits=1))
+    one_bit = np.asarray(select(jnp.asarray(x), jnp.int32(k), digit_bits=1))
     np.testing.assert_array_equal(got.view(np.uint32), one_bit.view(np.uint32))   # ±0 too
 
 

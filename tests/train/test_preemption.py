@@ -1,10 +1,11 @@
 """Preemption: a run killed at random moments and restarted each time ends bit-identical.
 
-Ten interruptions, SIGKILL and SIGTERM mixed, land at random moments of a 60-step run with a
-checkpoint every 5 steps: a random delay after the process starts stepping, or while a
-checkpoint is being written. After each one the same command runs again on the same workdir,
-until one run finishes. The final checkpoint's arrays and every metrics row must equal those of
-an uninterrupted run. The kill plan comes from a fixed seed.
+Six interruptions land at random moments of a 60-step run with a checkpoint every 5 steps: each
+of SIGKILL and SIGTERM once while a checkpoint is being written and twice after a random delay
+once the process is stepping, in a shuffled order (every signal meets every kind of moment).
+After each one the same command runs again on the same workdir, until one run finishes. The
+final checkpoint's arrays and every metrics row must equal those of an uninterrupted run. The
+kill plan comes from a fixed seed.
 
 The model is k3_tiny cut down to two layers (KDA with a dense FFN, then MLA with MoE), 32-token
 rows and batch 2 (about 20 steps a second on 2 CPU cores), so a restart takes a few seconds: compiled programs come from the shared
@@ -31,7 +32,8 @@ from tests.configs import k3_tiny
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 60
 EVERY = 5
-INTERRUPTIONS = 10
+INTERRUPTIONS = 6
+DELAYED = 2             # per signal, besides its one interruption during a checkpoint write
 SEED = 1234
 OVERRIDES = {
     "model.num_layers": 2, "model.mla_layers": (2,), "model.num_dense_layers": 1,
@@ -65,13 +67,14 @@ def command(workdir, cache_dir):
 
 
 def kill_plan(rng):
-  """(signal, moment) per interruption: half SIGKILL, half SIGTERM; a moment is a delay in
-  seconds after stepping starts, or "save" (as soon as a checkpoint write is in flight)."""
-  signals = [signal.SIGKILL, signal.SIGTERM] * (INTERRUPTIONS // 2)
-  moments = ["save"] * 3 + [round(rng.uniform(0.0, 0.3), 2) for _ in range(INTERRUPTIONS - 3)]
-  rng.shuffle(signals)
-  rng.shuffle(moments)
-  return list(zip(signals, moments))
+  """(signal, moment) per interruption: SIGKILL and SIGTERM each once at "save" (as soon as a
+  checkpoint write is in flight) and DELAYED times at a delay in seconds after stepping
+  starts, shuffled."""
+  plan = [(sig, moment) for sig in (signal.SIGKILL, signal.SIGTERM)
+          for moment in ["save"] + [round(rng.uniform(0.0, 0.3), 2) for _ in range(DELAYED)]]
+  rng.shuffle(plan)
+  assert len(plan) == INTERRUPTIONS
+  return plan
 
 
 def rows_written(workdir):
@@ -163,7 +166,7 @@ def run_once(cmd, workdir, sig, moment, log_path):
   return landed(sig, returncode, workdir, text)
 
 
-def test_ten_random_interruptions_end_bit_identical(tmp_path, compilation_cache_dir):
+def test_six_random_interruptions_end_bit_identical(tmp_path, compilation_cache_dir):
   reference = str(tmp_path / "uninterrupted")
   workdir = str(tmp_path / "interrupted")
   cmd = command(workdir, compilation_cache_dir)
@@ -178,7 +181,8 @@ def test_ten_random_interruptions_end_bit_identical(tmp_path, compilation_cache_
   finally:
     if uninterrupted.poll() is None:
       uninterrupted.kill()
-  assert sum(hits) >= 8, f"only {sum(hits)} of {INTERRUPTIONS} interruptions landed mid-run: {hits}"
+  assert sum(hits) >= INTERRUPTIONS - 1, \
+      f"only {sum(hits)} of {INTERRUPTIONS} interruptions landed mid-run: {hits}"
   assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
   assert "resumed from" in last.stdout
   assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(os.path.join(workdir, "checkpoints")))
