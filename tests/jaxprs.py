@@ -25,4 +25,3 @@ def primitive_counts(fn, *args) -> collections.Counter:
   """name → number of equations of that primitive in make_jaxpr(fn)(*args), nested ones too."""
   return collections.Counter(eqn.primitive.name
                              for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr))
-

@@ -138,15 +138,10 @@ def _group_squares(grads) -> dict[str, jax.Array]:
   return squares
 
 
-def grad_norms_by_group(grads) -> dict[str, jax.Array]:
-  """{"grad_norm/<group>": L2 norm of the group's gradients (fp32)} for every group that has
-  parameters; the squares sum to the global norm's square."""
-  return grad_norms(grads)[1]
-
-
 def grad_norms(grads) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """(the global L2 norm of the gradients, `grad_norms_by_group`), from one sum of squares per
-  leaf (the global norm is the root of the groups' sums)."""
+  """(the global L2 norm of the gradients, {"grad_norm/<group>": L2 norm of the group's
+  gradients} for every group that has parameters), fp32, from one sum of squares per leaf: the
+  groups' squares sum to the global norm's square."""
   squares = _group_squares(grads)
   total = functools.reduce(jnp.add, squares.values()) if squares else jnp.zeros((), jnp.float32)
   return jnp.sqrt(total), {f"grad_norm/{g}": jnp.sqrt(squares[g]) for g in GRAD_GROUPS

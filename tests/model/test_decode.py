@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from tests.configs import k3_tiny, quick
+from tests.params import perturbed
 from k3train.model import decode
 from k3train.model.decoder import build_model
 from k3train.model.mla import GatedMLA
@@ -18,18 +19,14 @@ T_PROMPT, T_TOTAL = 21, 36
 
 def randomize(model, seed=0, scale=0.3):
   """Every parameter and router bias moved off its initial value (zero AttnRes queries, unit
-  gains and zero biases would hide wiring mistakes). The noise is drawn on the host with NumPy
-  (one seeded generator, leaves in tree order): a jitted jax.random map over the few hundred
-  leaves cost a ~10 s compile per call."""
+  gains and zero biases would hide wiring mistakes), by `tests.params.perturbed` (one seeded
+  generator, leaves in tree order)."""
   rng = np.random.default_rng(seed)
 
   def noisy(x):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return x
-    v = np.asarray(x, np.float32)
-    out = v + np.float32(scale) * (v.std(dtype=np.float32) + np.float32(0.1)) * \
-        rng.standard_normal(v.shape, np.float32)
-    return jax.device_put(out.astype(x.dtype), x.sharding)
+    return jax.device_put(perturbed(x, rng, scale).astype(x.dtype), x.sharding)
 
   nnx.update(model, jax.tree.map(noisy, nnx.state(model)))
   return model

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from tests.configs import CONFIG_DIR, k3_tiny
+from tests.params import perturbed
 from k3train import config as config_lib
 from k3train.model import moe
 from k3train.model.decoder import build_model
@@ -41,13 +42,10 @@ def reference_model(mxfp4: bool):
   """The tiny k3train model whose values the release holds (bf16-exact; experts MXFP4-exact)."""
   cfg = k3_tiny.get_config()
   model = build_model(cfg.model)
-  rng = np.random.default_rng(7)      # host-side noise: a jitted jax.random map over every leaf
-                                      # cost a ~10 s compile per call
+  rng = np.random.default_rng(7)
 
   def value(x):
-    v = np.asarray(x, np.float32)
-    noisy = v + np.float32(0.3) * (v.std(dtype=np.float32) + np.float32(0.1)) * \
-        rng.standard_normal(v.shape, np.float32)
+    noisy = perturbed(x, rng, 0.3)
     return jax.device_put(noisy.astype(ml_dtypes.bfloat16).astype(x.dtype), x.sharding)
 
   params = jax.tree.map(value, nnx.state(model, nnx.Any(nnx.Param, moe.RouterBias)))
