@@ -11,8 +11,9 @@ round. Here it is two kernels:
            selection, the column held in registers across the rounds (streamed in chunks per
            round when T exceeds `resident` or is not a power of two).
 
-Both select 4 bits per round (8 rounds) on the order-preserving uint32 image of the floats
-(xla.ordered_uint32). The answer is an element of the input and the only arithmetic is s + b and
+Both select `digit_bits` bits per round (32 / digit_bits rounds; a round counts the elements at or
+above each of the 2^digit_bits − 1 candidate digits) on the order-preserving uint32 image of the
+floats (xla.ordered_uint32). The answer is an element of the input and the only arithmetic is s + b and
 s − cutoff in fp32, as in xla.py, so the result equals xla.margin_quantile's bit for bit. The
 experts are padded to a power of two E' with −inf scores, which top_k < E never selects. With
 interpret=True the same kernels run on CPU (tests).
@@ -32,8 +33,7 @@ from pallas_kernels import launch
 from pallas_kernels.qb import xla
 
 F32 = jnp.float32
-DIGIT_BITS = 4
-ROUNDS = 32 // DIGIT_BITS
+DIGIT_BITS = (1, 2, 4, 8)     # bits fixed per radix round (32 / bits rounds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,12 @@ class Settings:
   row_elements: int = 4096  # ... this many scores (rows × E') per program
   resident: int = 32768 # longest column the columns kernel keeps in registers (power of two)
   chunk: int = 1024     # tokens per step of the columns kernel beyond that (power of two >= 16)
-  num_warps: int = 8    # 1, 2, 4, 8 or 16
+  num_warps: int = 8    # 1, 2, 4, 8 or 16: the rows kernel's, for E' < wide_experts ...
+  wide_warps: int = 4   # ... and from wide_experts padded experts on (long rows)
+  wide_experts: int = 512
+  digit_bits: int = 2   # bits per radix round of the rows kernel (DIGIT_BITS)
+  column_warps: int = 16        # num_warps of the columns kernel
+  column_digit_bits: int = 1    # bits per radix round of the columns kernel
 
   def __post_init__(self):
     if not launch.is_pow2(self.rows):
@@ -54,9 +59,14 @@ class Settings:
                        f"{self.row_elements!r}, {self.resident!r}")
     if not (launch.is_pow2(self.chunk) and self.chunk >= 16):
       raise ValueError(f"qb pallas_gpu: chunk must be a power of two >= 16, got {self.chunk!r}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"qb pallas_gpu: num_warps must be 1, 2, 4, 8 or 16, got "
-                       f"{self.num_warps!r}")
+    for name in ("num_warps", "wide_warps", "column_warps"):
+      if getattr(self, name) not in (1, 2, 4, 8, 16):
+        raise ValueError(f"qb pallas_gpu: {name} must be 1, 2, 4, 8 or 16, got "
+                         f"{getattr(self, name)!r}")
+    for name in ("digit_bits", "column_digit_bits"):
+      if getattr(self, name) not in DIGIT_BITS:
+        raise ValueError(f"qb pallas_gpu: {name} must be one of {DIGIT_BITS}, got "
+                         f"{getattr(self, name)!r}")
 
 
 SETTINGS = Settings()
@@ -101,23 +111,23 @@ def keeps_column(num_tokens: int, settings: Settings | None = None) -> bool:
   return t is not None and t[1] == num_tokens
 
 
-def _radix_select(count_at_or_above, need, ans):
+def _radix_select(count_at_or_above, need, ans, bits: int):
   """The largest u (uint32, shaped like `ans`, which starts at zeros) with
-  count_at_or_above(u) >= need, 4 bits per round, most significant first. Counts fall as the
-  candidate digit grows, so a round's digit is the number of non-zero digits whose count
+  count_at_or_above(u) >= need, `bits` bits per round, most significant first. Counts fall as
+  the candidate digit grows, so a round's digit is the number of non-zero digits whose count
   reaches `need`."""
   def one_round(r, ans):
-    shift = (32 - DIGIT_BITS * (r + 1)).astype(jnp.uint32)
+    shift = (32 - bits * (r + 1)).astype(jnp.uint32)
     digit = jnp.zeros(jnp.shape(ans), jnp.int32)
-    for c in range(1, 2 ** DIGIT_BITS):
+    for c in range(1, 2 ** bits):
       cand = ans | jnp.left_shift(jnp.uint32(c), shift)
       digit = digit + (count_at_or_above(cand) >= need).astype(jnp.int32)
     return ans | jnp.left_shift(digit.astype(jnp.uint32), shift)
 
-  return jax.lax.fori_loop(0, ROUNDS, one_round, ans)
+  return jax.lax.fori_loop(0, 32 // bits, one_round, ans)
 
 
-def _rows_kernel(scores_ref, bias_ref, real_ref, margins_ref, *, rows: int, need: int):
+def _rows_kernel(scores_ref, bias_ref, real_ref, margins_ref, *, rows: int, need: int, bits: int):
   """Tokens [t0, t0 + rows): cutoffs by radix selection along the experts, then margins."""
   t0 = pl.multiple_of(pl.program_id(0) * rows, rows)
   ts = pl.ds(t0, rows)
@@ -125,14 +135,14 @@ def _rows_kernel(scores_ref, bias_ref, real_ref, margins_ref, *, rows: int, need
   u = xla.ordered_uint32(s + bias_ref[...][None, :])
 
   ans = _radix_select(lambda cand: jnp.sum((u >= cand[:, None]).astype(jnp.int32), axis=1),
-                      need, jnp.zeros((rows,), jnp.uint32))
+                      need, jnp.zeros((rows,), jnp.uint32), bits)
   cutoff = xla.from_ordered_uint32(ans)
   real = real_ref[ts] != 0
   margin = jnp.where(real[:, None], s - cutoff[:, None], -jnp.inf)
   margins_ref[:, ts] = margin.T
 
 
-def _columns_kernel(margins_ref, need_ref, beta_ref, *, num_tokens: int, chunk: int):
+def _columns_kernel(margins_ref, need_ref, beta_ref, *, num_tokens: int, chunk: int, bits: int):
   """Expert e: the need-th largest of margins[e, :] by radix selection along the tokens.
 
   With chunk == num_tokens the column is loaded once and every round counts it in registers;
@@ -151,7 +161,7 @@ def _columns_kernel(margins_ref, need_ref, beta_ref, *, num_tokens: int, chunk: 
       return total + jnp.sum((u >= cand).astype(jnp.int32))
     return jax.lax.fori_loop(0, num_tokens // chunk, one_chunk, jnp.int32(0))
 
-  ans = _radix_select(count_at_or_above, need, jnp.uint32(0))
+  ans = _radix_select(count_at_or_above, need, jnp.uint32(0), bits)
   beta_ref[...] = jnp.broadcast_to(xla.from_ordered_uint32(ans), (1,))
 
 
@@ -182,18 +192,23 @@ def _launch(scores_te, bias_e, real_t, q, *, top_k: int, interpret: bool, settin
   if e_pad != e:
     scores = jnp.pad(scores, ((0, 0), (0, e_pad - e)), constant_values=-jnp.inf)
     bias = jnp.pad(bias, (0, e_pad - e))
-  params = None
-  if not interpret:
+  def params(num_warps):
+    if interpret:
+      return None
     from jax.experimental.pallas import triton as plgpu
-    params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=1)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+
   margins = pl.pallas_call(
-      functools.partial(_rows_kernel, rows=rows, need=top_k + 1), grid=(t // rows,),
-      out_shape=jax.ShapeDtypeStruct((e_pad, t), F32), interpret=interpret,
-      compiler_params=params,
+      functools.partial(_rows_kernel, rows=rows, need=top_k + 1, bits=settings.digit_bits),
+      grid=(t // rows,), out_shape=jax.ShapeDtypeStruct((e_pad, t), F32), interpret=interpret,
+      compiler_params=params(settings.wide_warps if e_pad >= settings.wide_experts
+                             else settings.num_warps),
   )(scores, bias, real_t.reshape(t).astype(jnp.int32))
   need = (q + 1).astype(jnp.int32).reshape(1)
   return pl.pallas_call(
-      functools.partial(_columns_kernel, num_tokens=t, chunk=chunk), grid=(e,),
+      functools.partial(_columns_kernel, num_tokens=t, chunk=chunk,
+                        bits=settings.column_digit_bits), grid=(e,),
       out_shape=jax.ShapeDtypeStruct((e,), F32),
-      out_specs=pl.BlockSpec((1,), lambda i: (i,)), interpret=interpret, compiler_params=params,
+      out_specs=pl.BlockSpec((1,), lambda i: (i,)), interpret=interpret,
+      compiler_params=params(settings.column_warps),
   )(margins, need)

@@ -41,8 +41,11 @@ def test_kernels_equal_the_xla_rounds_and_the_sorts(t, e, top_k, ties):
     want = reference.margin_quantile(scores, bias, real, top_k, q)
     got_xla = xla.margin_quantile(scores, bias, real, top_k, q)
     np.testing.assert_array_equal(np.asarray(got_xla), np.asarray(want))
-    # The column in registers, and streamed in chunks of 32 tokens per round.
-    for tiling in (dict(rows=16), dict(rows=16, row_elements=256, resident=16, chunk=32)):
+    # The column in registers, and streamed in chunks of 32 tokens per round; the default bits
+    # per radix round (2 in the rows kernel, 1 in the columns kernel), 4 and the other way round.
+    for tiling in (dict(rows=16), dict(rows=16, row_elements=256, resident=16, chunk=32),
+                   dict(rows=16, digit_bits=4, column_digit_bits=4),
+                   dict(rows=16, digit_bits=1, column_digit_bits=2, resident=16, chunk=32)):
       with pallas_gpu.configured(**tiling):
         got = pallas_gpu.margin_quantile(scores, bias, real, top_k, q, interpret=True)
       np.testing.assert_array_equal(_bits(got), _bits(got_xla))
@@ -91,6 +94,10 @@ def test_bad_input_is_named():
     pallas_gpu.Settings(chunk=8)
   with pytest.raises(ValueError, match="row_elements and resident must be powers of two"):
     pallas_gpu.Settings(resident=1000)
+  with pytest.raises(ValueError, match=r"column_digit_bits must be one of \(1, 2, 4, 8\), got 3"):
+    pallas_gpu.Settings(column_digit_bits=3)
+  with pytest.raises(ValueError, match="column_warps must be 1, 2, 4, 8 or 16, got 3"):
+    pallas_gpu.Settings(column_warps=3)
 
 
 def test_tiles_keep_a_program_within_its_element_budget():
