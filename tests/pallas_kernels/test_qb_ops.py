@@ -41,11 +41,12 @@ def test_kernels_equal_the_xla_rounds_and_the_sorts(t, e, top_k, ties):
     want = reference.margin_quantile(scores, bias, real, top_k, q)
     got_xla = xla.margin_quantile(scores, bias, real, top_k, q)
     np.testing.assert_array_equal(np.asarray(got_xla), np.asarray(want))
-    # The column in registers, and streamed in chunks of 32 tokens per round; the default bits
-    # per radix round (2 in the rows kernel, 1 in the columns kernel), 4 and the other way round.
+    # The column in registers, and streamed in chunks of 32 tokens per round; the default bit
+    # per radix round in both kernels, then 4, and 2 in one kernel with 4 or 1 in the other.
     for tiling in (dict(rows=16), dict(rows=16, row_elements=256, resident=16, chunk=32),
                    dict(rows=16, digit_bits=4, column_digit_bits=4),
-                   dict(rows=16, digit_bits=1, column_digit_bits=2, resident=16, chunk=32)):
+                   dict(rows=16, digit_bits=2, column_digit_bits=4),
+                   dict(rows=16, digit_bits=4, column_digit_bits=2, resident=16, chunk=32)):
       with pallas_gpu.configured(**tiling):
         got = pallas_gpu.margin_quantile(scores, bias, real, top_k, q, interpret=True)
       np.testing.assert_array_equal(_bits(got), _bits(got_xla))
