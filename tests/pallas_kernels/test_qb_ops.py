@@ -3,6 +3,8 @@ XLA radix rounds and the sorting oracle agree bit for bit; backend choice and ba
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,4 +125,9 @@ def test_the_kernels_lower_to_two_triton_calls_for_the_gpu():
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
             jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32),
             jax.ShapeDtypeStruct((t,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
-    assert exported.mlir_module().count("xla.gpu.triton") == 2
+    module = exported.mlir_module()
+    assert module.count("xla.gpu.triton") == 2
+    # Launch warps: the rows kernel 8 below 512 padded experts and 4 from there (896 → 1,024
+    # padded), the columns kernel 16.
+    rows_warps = 4 if e == 896 else 8
+    assert re.findall(r"num_warps\s*=\s*(\d+)", module) == [str(rows_warps), "16"]
