@@ -210,6 +210,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
   _require(t.peak_flops_per_device >= 0, "train.peak_flops_per_device",
            f"must be >= 0 (0: by device kind), got {t.peak_flops_per_device}")
+  _require(0 <= t.memory_margin < 1, "train.memory_margin",
+           f"must be in [0, 1) (a share of the device's memory limit), got {t.memory_margin}")
   _require(t.microbatches >= 1 and t.global_batch_size % t.microbatches == 0, "train.microbatches",
            f"must be >= 1 and divide train.global_batch_size={t.global_batch_size}, "
            f"got {t.microbatches}")

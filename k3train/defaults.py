@@ -150,6 +150,11 @@ def k3_full() -> ml_collections.ConfigDict:
   # integers and floats are typed, anything else stays text). "": XLA's defaults.
   t.xla_options = ""
   t.peak_flops_per_device = 0.0     # MFU's peak; 0: by device kind (train/metrics.py PEAK_BF16_FLOPS)
+  # Share of each device's memory limit that the start-up memory plan keeps free: a stage whose
+  # planned peak exceeds (1 − margin) × the limit is refused before anything is built
+  # (k3train/tools/plan). The plan errs high (by 8–9 % of XLA's own figure for k3_h200 on an
+  # H200), so a run that its measured memory shows to fit may need a smaller margin.
+  t.memory_margin = 0.10
   # The staged context curriculum (docs/maths.md §9), run in one process when use_stages is True:
   # an ordered tuple of `curriculum_stage(...)` entries (README "Curriculum"). The run ends at
   # the last stage's end or at train.steps, whichever comes first.

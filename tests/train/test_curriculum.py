@@ -211,6 +211,27 @@ def test_preflight_refuses_stages_that_do_not_fit():
   assert skipped and "skipped" in skipped[0]
 
 
+def test_preflight_keeps_the_configs_memory_margin_free():
+  # The largest stage's planned peak fits in 95 % of the device's memory: refused with 10 % kept
+  # free (the default train.memory_margin), run with 2 %; an explicit margin overrides the config.
+  from k3train.tools import plan
+  cfg = tiny_stages_config()
+  peak = max(p.peak for _, p in plan.stage_plans(config_lib.validate(cfg), 1,
+                                                  device_memory_gib=1.0, margin=0.0))
+  memory = peak / 0.95 / plan.GiB
+  with pytest.raises(config_lib.ConfigError, match=r"10% of [0-9.]+ GiB kept free.*"
+                                                   r"train.memory_margin sets the share"):
+    plan.preflight(memory, log=lambda _: None)(config_lib.stages(config_lib.validate(cfg)))
+  cfg.train.memory_margin = 0.02
+  stages = config_lib.stages(config_lib.validate(cfg))
+  plan.preflight(memory, log=lambda _: None)(stages)
+  with pytest.raises(config_lib.ConfigError, match="kept free"):
+    plan.preflight(memory, margin=0.10, log=lambda _: None)(stages)
+  cfg.train.memory_margin = 1.0
+  with pytest.raises(config_lib.ConfigError, match=r"train.memory_margin.*\[0, 1\)"):
+    config_lib.validate(cfg)
+
+
 # --- acceptance: three stages on 4 devices, killed after a boundary, rerun -----------------
 
 

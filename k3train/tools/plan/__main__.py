@@ -62,8 +62,9 @@ def define(fv: flags.FlagValues) -> None:
                     "remat policy (default: model.remat_policy)", flag_values=fv)
   flags.DEFINE_enum("attention", "flash", ["flash", "naive"],
                     "MLA attention memory model (naive: today's [B,H,T,S] logits)", flag_values=fv)
-  flags.DEFINE_float("margin", 0.10, "share of device memory kept free for XLA and the runtime",
-                     lower_bound=0.0, upper_bound=1.0, flag_values=fv)
+  flags.DEFINE_float("margin", None, "share of device memory kept free for XLA and the runtime "
+                     "(default: train.memory_margin)", lower_bound=0.0, upper_bound=1.0,
+                     flag_values=fv)
   flags.DEFINE_float("expert_capacity", None, "plan a capacity-bounded expert exchange of c·n·k "
                      "rows instead of the dropless ep·n·k (hypothetical: not implemented in "
                      "k3train)", lower_bound=0.0, flag_values=fv)
@@ -88,8 +89,9 @@ def main(argv=None) -> int:
   seq_len = f.seq_len or cfg.data.seq_len
   remat = f.remat or cfg.model.remat_policy
   microbatches = f.microbatches or cfg.train.microbatches
+  margin = _margin(cfg, f)
   common = dict(rules_name=rules_name, seq_len=seq_len, remat=remat, attention=f.attention,
-                device_memory_gib=f.device_memory, margin=f.margin,
+                device_memory_gib=f.device_memory, margin=margin,
                 expert_capacity=f.expert_capacity)
   single = any(f[name].present for name in ("mesh", "seq_len", "batch_per_device", "microbatches",
                                             "search"))
@@ -118,17 +120,23 @@ def main(argv=None) -> int:
   return 0 if p.fits else DOES_NOT_FIT
 
 
+def _margin(cfg, f) -> float:
+  """--margin, else the config's train.memory_margin (the share the train loop's check keeps)."""
+  return f.margin if f.margin is not None else cfg.train.memory_margin
+
+
 def _plan_stages(cfg, f, config_name: str) -> int:
   """One plan per curriculum stage; exit 0 when every stage fits, 1 otherwise, 2 on an error."""
   try:
-    rows = plan.stage_plans(cfg, f.devices, device_memory_gib=f.device_memory, margin=f.margin,
+    rows = plan.stage_plans(cfg, f.devices, device_memory_gib=f.device_memory,
+                            margin=_margin(cfg, f),
                             attention=f.attention, expert_capacity=f.expert_capacity)
   except (mesh_lib.MeshError, config_lib.ConfigError, ValueError) as e:
     cli.error(PROG, str(e))
     return cli.USAGE_ERROR
   if not f.json:
     print(f"plan {config_name}: {len(rows)} curriculum stages on {f.devices} devices of "
-          f"{f.device_memory:g} GiB ({f.margin:.0%} margin), attention={f.attention}")
+          f"{f.device_memory:g} GiB ({_margin(cfg, f):.0%} margin), attention={f.attention}")
   for stage, p in rows:
     if f.json:
       print(json.dumps(plan.stage_json(stage, p)))

@@ -96,10 +96,11 @@ def device_memory_gib() -> float | None:
   return float(limit) / GiB if limit else None
 
 
-def preflight(device_memory: float | None = None, *, margin: float = 0.10, log=print):
+def preflight(device_memory: float | None = None, *, margin: float | None = None, log=print):
   """A `loop.train(preflight=...)` check: plans the run's remaining stages on this run's devices
   and raises ConfigError naming every stage that does not fit. Without a known device memory
-  (`device_memory` in GiB, or the runtime's limit; CPU has none) it only logs that it skipped."""
+  (`device_memory` in GiB, or the runtime's limit; CPU has none) it only logs that it skipped.
+  margin: the share of that memory kept free; None: the run's `train.memory_margin`."""
 
   def check(stages: Sequence[config_lib.Stage]) -> None:
     import jax
@@ -107,7 +108,8 @@ def preflight(device_memory: float | None = None, *, margin: float = 0.10, log=p
     if memory is None:
       log("memory plan of the stages skipped: the device reports no memory limit")
       return
-    rows = stage_plans(stages[0].cfg, jax.device_count(), device_memory_gib=memory, margin=margin,
+    keep = stages[0].cfg.train.memory_margin if margin is None else margin
+    rows = stage_plans(stages[0].cfg, jax.device_count(), device_memory_gib=memory, margin=keep,
                        stages=stages)
     bad = []
     for stage, p in rows:
@@ -115,10 +117,12 @@ def preflight(device_memory: float | None = None, *, margin: float = 0.10, log=p
       if isinstance(p, str) or not p.fits:
         bad.append(p if isinstance(p, str) else
                    f"train.stages[{stage.index}] ({stage.name!r}): peak {p.peak / GiB:.1f} GiB "
-                   f"> {p.budget / GiB:.1f} GiB usable per device")
+                   f"> {p.budget / GiB:.1f} GiB usable per device ({keep:.0%} of "
+                   f"{memory:.1f} GiB kept free)")
     if bad:
       raise config_lib.ConfigError("the memory plan refuses the curriculum: " + "; ".join(bad)
-                                   + " (python -m k3train.tools.plan shows each stage's terms)")
+                                   + " (python -m k3train.tools.plan shows each stage's terms; "
+                                   "train.memory_margin sets the share kept free)")
 
   return check
 
