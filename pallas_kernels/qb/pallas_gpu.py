@@ -11,12 +11,13 @@ round. Here it is two kernels:
            selection, the column held in registers across the rounds (streamed in chunks per
            round when T exceeds `resident` or is not a power of two).
 
-Both select `digit_bits` bits per round (32 / digit_bits rounds; a round counts the elements at or
-above each of the 2^digit_bits − 1 candidate digits) on the order-preserving uint32 image of the
-floats (xla.ordered_uint32). One bit per round is the default in both: 32 block-wide counts
-instead of the 120 of 4-bit rounds, 2.7–2.9× faster per QB call on an H200 at 64 and 896 experts
-(benchmarks/qb_bisection.md), where XLA's rounds, a launch per round, favour 4 bits. The answer is an element of the input and the only arithmetic is s + b and
-s − cutoff in fp32, as in xla.py, so the result equals xla.margin_quantile's bit for bit. The
+Both select `digit_bits` bits per round (32 / digit_bits rounds; a round counts the elements at
+or above each of the 2^digit_bits − 1 candidate digits) on the order-preserving uint32 image of
+the floats (xla.ordered_uint32). One bit per round is the default in both: 32 block-wide counts
+instead of the 120 of 4-bit rounds, 2.8–2.9× faster per QB call on an H200 at 64 and 896 experts
+(benchmarks/qb_bisection.md), where XLA's rounds, a launch per round, favour 4 bits. The answer
+is an element of the input and the only arithmetic is s + b and s − cutoff in fp32, as in
+xla.py, so the result equals xla.margin_quantile's bit for bit. The
 experts are padded to a power of two E' with −inf scores, which top_k < E never selects. With
 interpret=True the same kernels run on CPU (tests).
 """
@@ -47,7 +48,7 @@ class Settings:
   chunk: int = 1024     # tokens per step of the columns kernel beyond that (power of two >= 16)
   num_warps: int = 8    # 1, 2, 4, 8 or 16: the rows kernel's, for E' < wide_experts ...
   wide_warps: int = 4   # ... and from wide_experts padded experts on (long rows)
-  wide_experts: int = 512
+  wide_experts: int = 512       # padded expert count from which the rows kernel takes wide_warps
   digit_bits: int = 1   # bits per radix round of the rows kernel (DIGIT_BITS)
   column_warps: int = 16        # num_warps of the columns kernel
   column_digit_bits: int = 1    # bits per radix round of the columns kernel
