@@ -120,6 +120,9 @@ def main(argv=None) -> int:
   if len(experts) != len(top_ks):
     print(f"{PROG}: --experts and --top_k need the same number of entries", file=sys.stderr)
     return _flags.USAGE_ERROR
+  if f.calls_per_timing < 1:
+    print(f"{PROG}: --calls_per_timing must be >= 1, got {f.calls_per_timing}", file=sys.stderr)
+    return _flags.USAGE_ERROR
   try:
     variants = tuple(("pallas_gpu",) + kernel_settings(text) for text in f.kernel_settings)
   except (TypeError, ValueError) as err:
