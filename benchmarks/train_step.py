@@ -65,6 +65,15 @@ gets the earlier variant's tuned choices from memory, not what its option asks f
 carries a `caveat` (run such a variant as its process's base).
 `--lower_profile` runs tracing and lowering under cProfile and reports `lower_profile`: the
 functions with the most cumulative and the most own time (seconds, calls, file:line(name)).
+`--lower_for=gpu` (or tpu) traces and lowers the step as that platform would build it, on any
+machine (`pallas_kernels.platform.targeting`: every "auto" kernel choice, interpret flag and launch
+grid as there; the state as shapes), and stops before compiling: the row has `trace_s`,
+`lower_s`, the StableHLO's size (`stablehlo_mib` with debug info, `stablehlo_ops` and
+`stablehlo_ops_by_part` by the profile's parts), `lowered_custom_calls` by
+target and `lowered_kernels`, the hand-written kernels by name (each distinct lowering once: a
+kernel jitted with the same shapes is one function the program calls). On a CPU-only machine this
+shows the GPU program's kernels and its host-side compile cost (`trace_s + lower_s`, part of
+`compile_s` on the GPU) without a GPU.
 
 `--memory_report` has XLA dump the compiled step (`--xla_dump_to`, into `--dump_dir` or a
 temporary folder) and reads the buffers live at its memory peak from the dump's live-range file:
@@ -130,6 +139,10 @@ def define(fv: flags.FlagValues) -> None:
                     "at XLA's memory peak by part (xla_peak_by_part_gib)", flag_values=fv)
   flags.DEFINE_bool("lower_profile", False, "profile tracing and lowering with cProfile and report "
                     "the functions taking longest (lower_profile)", flag_values=fv)
+  flags.DEFINE_enum("lower_for", "", ["", "gpu", "tpu"], "trace and lower the step as this "
+                    "platform would build it (on any machine; nothing compiled or run) and report "
+                    "trace and lower seconds, the program's size and its kernels by name",
+                    flag_values=fv)
   flags.DEFINE_bool("compile_profile", False, "trace the host while the step compiles and report "
                     "XLA's compile phases (compile_events)", flag_values=fv)
 
@@ -673,8 +686,91 @@ def memory_row(compiled, cfg, device_count: int) -> dict:
   return row
 
 
+# jax's lowering platform for each `--lower_for` target.
+LOWERING_PLATFORMS = {"gpu": "cuda", "tpu": "tpu"}
+# Custom-call targets of hand-written kernels in a lowered (StableHLO) module.
+KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu", "tpu_custom_call")
+
+
+def lowered_kernels(stablehlo_text: str) -> dict[str, int]:
+  """The hand-written kernels of a lowered module by name, most frequent first: a Triton call's
+  own `name`, else the name of the function that holds the call (Pallas' Mosaic kernels are
+  jitted functions; a `_<n>` suffix that tells apart specialisations of one name is dropped)."""
+  import bisect
+  funcs = [(m.start(), m.group(1)) for m in
+           re.finditer(r'func\.func (?:private |public )?@([\w.$-]+)', stablehlo_text)]
+  starts = [start for start, _ in funcs]
+  names = []
+  for m in re.finditer(r'custom_call @([\w.$-]+)\(', stablehlo_text):
+    if m.group(1) not in KERNEL_CALL_TARGETS:
+      continue
+    line = stablehlo_text[m.start():stablehlo_text.find("\n", m.start())]
+    own = re.search(r'\bname = "([^"]+)"', line)
+    if own:
+      names.append(own.group(1))
+    else:
+      i = bisect.bisect(starts, m.start()) - 1
+      names.append(re.sub(r"_\d+$", "", funcs[i][1]) if i >= 0 else "?")
+  return dict(collections.Counter(names).most_common())
+
+
+def stablehlo_ops_by_part(stablehlo_text: str) -> dict[str, int]:
+  """The ops of a lowered module printed with debug info, by part (`classify` of the op names in
+  each op's location chain; "other" for ops without one): where the program's volume is, which
+  XLA's passes and kernel generation then work through."""
+  locations = {m.group(1): m.group(2)
+               for m in re.finditer(r"^#(loc\d*) = loc\((.*)\)$", stablehlo_text, re.M)}
+  paths: dict[str, str] = {}
+
+  def path(loc: str, depth: int = 0) -> str:
+    if loc not in paths:
+      body = locations.get(loc, "")
+      names = [n for n in re.findall(r'"([^"]*)"', body) if not n.endswith(".py")]
+      if depth < 16:
+        names += [path(ref, depth + 1) for ref in re.findall(r"#(loc\d+)", body)]
+      paths[loc] = "/".join(n for n in names if n)
+    return paths[loc]
+
+  counts: dict[str, int] = collections.defaultdict(int)
+  for line in stablehlo_text.splitlines():
+    if not re.match(r'\s*(?:%[^=\n]+= )?"?(?:stablehlo|chlo|mhlo)\.[a-z_]+', line):
+      continue
+    loc = re.search(r"loc\(#(loc\d+)\)\s*$", line)
+    counts[classify("lowered:" + path(loc.group(1))) if loc else "other"] += 1
+  return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def lowered_row(cfg, name: str, target: str) -> dict:
+  """`--lower_for`: the step traced and lowered for `target` on this machine, not compiled."""
+  from k3train.data import pipeline
+  from pallas_kernels import platform
+  t = cfg.train
+  data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
+                                     process_index=0, process_count=1)
+  with platform.targeting(target):
+    run = abstract_run(cfg)
+    batch = run.layout.global_batch(next(data))
+    t0 = time.perf_counter()
+    traced = run.step.trace(run.state, batch)
+    t1 = time.perf_counter()
+    lowered = traced.lower(lowering_platforms=(LOWERING_PLATFORMS[target],))
+    t2 = time.perf_counter()
+  text = lowered.as_text(debug_info=True)
+  calls = collections.Counter(re.findall(r'custom_call @([\w.$-]+)\(', text))
+  by_part = stablehlo_ops_by_part(text)
+  return {"name": name, "lowered_for": target,
+          "tokens_per_step": t.global_batch_size * cfg.data.seq_len,
+          "trace_s": round(t1 - t0, 1), "lower_s": round(t2 - t1, 1),
+          "stablehlo_mib": round(len(text.encode()) / 2**20, 2),
+          "stablehlo_ops": sum(by_part.values()), "stablehlo_ops_by_part": by_part,
+          "lowered_custom_calls": dict(calls.most_common()),
+          "lowered_kernels": lowered_kernels(text)}
+
+
 def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   """One JSON row for config `cfg`; xla_dump: where XLA dumps the step (`--memory_report`)."""
+  if fv.lower_for:
+    return lowered_row(cfg, name, fv.lower_for)
   import jax
   import numpy as np
   from k3train.data import pipeline
@@ -875,6 +971,11 @@ def main(argv=None) -> int:
   for r in rows:
     if "error" in r:
       print(f"{r['name']:<12} error: {r['error'][:80]}")
+      continue
+    if "lowered_for" in r:
+      print(f"{r['name']:<12} lowered for {r['lowered_for']}: trace {r['trace_s']} s, lower "
+            f"{r['lower_s']} s, {r['stablehlo_ops']} ops, {sum(r['lowered_kernels'].values())} "
+            f"kernels")
       continue
     xla = (r.get("xla_memory_gib") or {}).get("total")
     planned = (r.get("plan_memory_gib") or {}).get("total")

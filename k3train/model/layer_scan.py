@@ -39,6 +39,8 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import platform
+
 # Where a residual of one iteration's vjp comes from.
 _PARAM, _XS, _CONST, _SAVED = "param", "xs", "const", "saved"
 
@@ -220,7 +222,7 @@ def _unread_buffers(avals, length: int) -> list[jax.Array]:
   shape) the buffers are zeros, as in `jax.lax.scan`.
   """
   shapes = [jax.ShapeDtypeStruct((length, *a.shape), a.dtype) for a in avals]
-  if jax.default_backend() == "gpu" and jax.device_count() == 1:
+  if platform.current() == "gpu" and jax.device_count() == 1:
     return [_allocate(shape) for shape in shapes]
   return [jnp.zeros(shape.shape, shape.dtype) for shape in shapes]
 

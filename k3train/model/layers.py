@@ -16,6 +16,7 @@ from flax import nnx
 
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
+from pallas_kernels import platform
 
 Shape = Sequence[int]
 Axes = Sequence[str]
@@ -96,7 +97,7 @@ def _exact_dot(a: jax.Array, b: jax.Array, dims, out_dtype) -> jax.Array:
   """dot_general of bf16 operands accumulated in fp32, written in out_dtype. XLA:CPU runs some
   bf16 × bf16 → fp32 dots only on fp32 operands; bf16 values are exact in fp32, so converting
   them there changes no product."""
-  if jax.default_backend() == "cpu":
+  if platform.current() == "cpu":
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32).astype(out_dtype)

@@ -24,6 +24,8 @@ import numpy as np
 from jax import lax
 from optax.contrib import MuonDimensionNumbers
 
+from pallas_kernels import platform
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-8
@@ -95,7 +97,7 @@ def epilogue_dtype(compute_dtype, backend: str | None = None) -> jnp.dtype:
   steps; the GEMM output is rounded, then the scaled sum: benchmarks/newton_schulz.md). The
   explicit float32 form rounds once per GEMM but writes float32 GEMM outputs, slower there.
   Other backends get the float32 form (XLA:CPU would round bf16 after every op)."""
-  backend = jax.default_backend() if backend is None else backend
+  backend = platform.current() if backend is None else backend
   return jnp.dtype(compute_dtype) if backend == "gpu" else jnp.dtype(jnp.float32)
 
 

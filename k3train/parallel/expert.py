@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from k3train.parallel import axes as ax
 from k3train.parallel import rules as rules_lib
 from pallas_kernels import moe as moe_ops
+from pallas_kernels import platform
 
 EXCHANGES = ("auto", "all_to_all", "ragged")
 
@@ -46,7 +47,7 @@ def resolve_exchange(exchange: str) -> str:
   if exchange not in EXCHANGES:
     raise ValueError(f"unknown expert exchange {exchange!r}; allowed: {EXCHANGES}")
   if exchange == "auto":  # ragged_all_to_all has no XLA:CPU implementation
-    return "all_to_all" if jax.default_backend() == "cpu" else "ragged"
+    return "all_to_all" if platform.current() == "cpu" else "ragged"
   return exchange
 
 

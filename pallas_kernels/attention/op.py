@@ -22,6 +22,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import platform
 from pallas_kernels.attention import cudnn, pallas_gpu, pallas_tpu, xla
 from pallas_kernels.attention.reference import attention_reference
 
@@ -43,10 +44,10 @@ def resolve_backend(backend: str, dk: int | None = None, dv: int | None = None,
     raise ValueError(f"attention: unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
   if backend != "auto":
     return backend
-  platform = jax.default_backend()
-  if platform == "gpu" and (dk is None or pallas_gpu.supports(dk, dv, dtype)):
+  target = platform.current()
+  if target == "gpu" and (dk is None or pallas_gpu.supports(dk, dv, dtype)):
     return "pallas_gpu"
-  if platform == "tpu":
+  if target == "tpu":
     return "pallas_tpu"
   return "xla"
 
@@ -162,7 +163,7 @@ def attention(q, k, v, segment_ids=None, *, scale, causal: bool = True, q_offset
                            scale=scale, causal=causal)
   if backend in ("pallas_gpu", "cudnn"):
     pallas_gpu.check_supported(dk, dv, q.dtype)
-  if backend == "cudnn" and jax.default_backend() != "gpu":
+  if backend == "cudnn" and platform.interpret("gpu"):
     backend = "pallas_gpu"          # no cuDNN off-GPU: the kernels in interpret mode
   if backend == "cudnn":
     same_segments = not isinstance(segment_ids, (tuple, list))
@@ -202,14 +203,14 @@ def _blockwise_core(q, k, v, q_seg, kv_seg, q_offset, *, scale, causal, backend,
   elif backend == "pallas_gpu":
     out, row_max_bhq = pallas_gpu.attention_pallas_gpu(
         q, k, v, q_seg, kv_seg, q_last, scale=scale, config=gpu_config,
-        interpret=jax.default_backend() != "gpu")
+        interpret=platform.interpret("gpu"))
   elif backend == "cudnn":
     out, row_max_bhq = cudnn.attention_cudnn(q, k, v, q_seg, q_last, scale=scale, causal=causal,
                                              config=cudnn_config, gpu_config=gpu_config)
   else:
     out, row_max_bhq = pallas_tpu.attention_pallas_tpu(
         q, k, v, q_seg, kv_seg, q_last, scale=scale, causal=causal, q_offset=static_offset,
-        config=tpu_config, interpret=jax.default_backend() != "tpu")
+        config=tpu_config, interpret=platform.interpret("tpu"))
   max_logit_bh = jax.lax.stop_gradient(jnp.max(row_max_bhq, axis=2))
   if max_logit_bh.dtype != jnp.float64:
     max_logit_bh = max_logit_bh.astype(jnp.float32)

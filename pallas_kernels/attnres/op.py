@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import platform
 from pallas_kernels.attnres import pallas_gpu, vjp, xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu")
@@ -27,7 +28,7 @@ def resolve_backend(backend: str, num_rows: int | None = None, d: int | None = N
     raise ValueError(f"attnres: unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
   if backend != "auto":
     return backend
-  if jax.default_backend() == "gpu" and (num_rows is None or pallas_gpu.supports(num_rows, d)):
+  if platform.current() == "gpu" and (num_rows is None or pallas_gpu.supports(num_rows, d)):
     return "pallas_gpu"
   return "xla"
 
@@ -35,7 +36,7 @@ def resolve_backend(backend: str, num_rows: int | None = None, d: int | None = N
 def backward_fn(backend: str):
   """The backward of a resolved backend, with xla.mix_backward's contract."""
   if backend == "pallas_gpu":
-    return functools.partial(pallas_gpu.mix_backward, interpret=jax.default_backend() != "gpu")
+    return functools.partial(pallas_gpu.mix_backward, interpret=platform.interpret("gpu"))
   if backend == "xla":
     return xla.mix_backward
   raise ValueError(f"attnres: {backend!r} is not a resolved backend (xla | pallas_gpu)")

@@ -168,6 +168,7 @@ def _launch(blocks_nbtd, p_btd, w_d, stats, g_btd, ct_blocks_nbtd, ct_p_btd, *, 
                  jax.ShapeDtypeStruct((num_rows, d), ct_p_btd.dtype),
                  jax.ShapeDtypeStruct((programs, d), F32)),
       input_output_aliases={7: 0}, interpret=interpret, compiler_params=compiler_params,
+      name="attnres_mix_backward",
   )(flat(blocks_nbtd), flat(p_btd), flat(g_btd), probs, r, s, w_d.astype(F32),
     flat(ct_blocks_nbtd), flat(ct_p_btd))
   return (ct_blocks.reshape(ct_blocks_nbtd.shape), ct_p.reshape(ct_p_btd.shape),

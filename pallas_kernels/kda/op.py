@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import platform
 from pallas_kernels.kda.intra import reset_counts
 from pallas_kernels.kda.reference import kda_recurrent, recurrent_step
 from pallas_kernels.kda.vjp import kda_pallas
@@ -24,10 +25,11 @@ _PALLAS_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
 def resolve_backend(backend: str) -> str:
-  """"auto" -> the fastest backend for the default JAX platform; others pass through."""
+  """"auto" -> the fastest backend for the platform traced for (`pallas_kernels.platform`); others
+  pass through."""
   if backend != "auto":
     return backend
-  return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "jax")
+  return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform.current(), "jax")
 
 
 def _compute_dtype(*xs) -> jnp.dtype:
@@ -150,13 +152,13 @@ def _kda_core(q, k, v, g, beta, scale, s0, reset_bt, *, dtype, chunk_size, backe
 def _kda_pallas_core(q, k, v, g, beta, s0, reset_bt, *, scale, chunk_size, backend):
   """Pallas backends: q, k, v keep their dtype (bf16 stays bf16: the kernels' dot operand dtype,
   fp32 accumulation); g, β, S₀ in fp32; scale is static (a kernel constant)."""
-  platform = _PALLAS_PLATFORM[backend]
-  interpret = jax.default_backend() != platform
+  kernel_platform = _PALLAS_PLATFORM[backend]
+  interpret = platform.interpret(kernel_platform)
   mm = q.dtype if q.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
   o_bthv, s_bhkv = kda_pallas(q.astype(mm), k.astype(mm), v.astype(mm), g.astype(jnp.float32),
                               beta.astype(jnp.float32), s0.astype(jnp.float32),
-                              reset_counts(reset_bt, chunk_size), scale, chunk_size, platform,
-                              interpret)
+                              reset_counts(reset_bt, chunk_size), scale, chunk_size,
+                              kernel_platform, interpret)
   return o_bthv.astype(q.dtype), s_bhkv
 
 

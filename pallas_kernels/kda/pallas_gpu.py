@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import launch
+from pallas_kernels import launch, platform
 from pallas_kernels.kda import kernels, pallas_gpu_intra
 
 F32 = jnp.float32
@@ -139,7 +139,7 @@ def wide_backward(b: int, h: int, dv: int, sm_count: int | None) -> bool:
 
 
 def _sm_count(interpret: bool) -> int | None:
-  return None if interpret else getattr(jax.devices()[0], "core_count", None)
+  return None if interpret else platform.gpu_sm_count()
 
 
 def _intra_bk(dk: int, dtype, bk: int) -> int:
@@ -160,7 +160,7 @@ def chunk_cumsum(g, chunk, *, interpret):
   return pl.pallas_call(
       _cumsum_kernel, grid=(b, t // chunk, h), in_specs=[tok], out_specs=tok,
       out_shape=jax.ShapeDtypeStruct(g.shape, F32), interpret=interpret,
-      compiler_params=None if interpret else _params(4, 1),
+      compiler_params=None if interpret else _params(4, 1), name="chunk_cumsum_kernel",
   )(g)
 
 

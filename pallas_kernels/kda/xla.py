@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import platform
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 SUB_CHUNK = 16
 
@@ -194,7 +196,7 @@ def kda_xla(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, g_bthk: jax
   """
   b, t, h = q_bthk.shape[:3]
   units = (b == 1, h == 1, t == chunk)
-  if jax.default_backend() != "cpu" or not any(units) or all(units):
+  if platform.current() != "cpu" or not any(units) or all(units):
     return kda_chunked(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, s0_bhkv, reset_bt, chunk)
 
   def pad(x, axis, extra):

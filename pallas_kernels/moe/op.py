@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import platform
 from pallas_kernels.moe import mx_operands, pallas_gpu, pallas_tpu, permute
 from pallas_kernels.moe.reference import gmm_mx_reference, gmm_reference
 from pallas_kernels.moe.vjp import straight_through_gmm_mx
@@ -29,13 +30,13 @@ from pallas_kernels.moe.xla import gmm_ragged_dot
 def _gmm_pallas_gpu(lhs, rhs, group_sizes):
   # Off-GPU the Mosaic GPU kernels run in Pallas' GPU interpret mode (slow; for tests).
   return pallas_gpu.gmm_pallas_gpu(lhs, rhs, group_sizes,
-                                   interpret=jax.default_backend() != "gpu")
+                                   interpret=platform.interpret("gpu"))
 
 
 def _gmm_pallas_tpu(lhs, rhs, group_sizes):
   # Off-TPU the Mosaic TPU kernels run in Pallas' TPU interpret mode (slow; for tests).
   return pallas_tpu.gmm_pallas_tpu(lhs, rhs, group_sizes,
-                                   interpret=jax.default_backend() != "tpu")
+                                   interpret=platform.interpret("tpu"))
 
 
 _GMM_IMPLS = {
@@ -57,7 +58,7 @@ def resolve_backend(backend: str, lhs_shape=None, rhs_shape=None, dtype=None) ->
   so "auto" does not bet the default TPU path on it yet.
   """
   if backend == "auto":
-    if (jax.default_backend() == "gpu" and lhs_shape is not None
+    if (platform.current() == "gpu" and lhs_shape is not None
         and pallas_gpu.supports(lhs_shape, rhs_shape, dtype)):
       return "pallas_gpu"
     return "ragged_dot"
@@ -107,7 +108,7 @@ def _gmm_mx_pallas_gpu_forward(lhs_decode: str):
   def forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales, group_sizes, dtype):
     return pallas_gpu.gmm_mx_pallas_gpu_forward(lhs_codes, lhs_scales, rhs_packed, rhs_scales,
                                                 group_sizes, dtype, lhs_decode=lhs_decode,
-                                                interpret=jax.default_backend() != "gpu")
+                                                interpret=platform.interpret("gpu"))
   return forward
 
 

@@ -50,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import platform
 from pallas_kernels.moe import mx_operands
 from pallas_kernels.moe.schedule import group_bounds, row_schedule
 from pallas_kernels.moe.vjp import differentiable_gmm
@@ -83,7 +84,11 @@ class MgpuConfig:
 def _num_sms(interpret: bool) -> int:
   if interpret:
     return 2
-  return jax.devices()[0].core_count
+  sms = platform.gpu_sm_count()
+  if sms is None:
+    raise ValueError("gmm pallas_gpu: the device does not report its multiprocessor count "
+                     "(core_count), which sizes the persistent kernels' grid")
+  return sms
 
 
 def _swizzled(minor_elems: int, dtype, tiling_rows: int = 8) -> tuple:

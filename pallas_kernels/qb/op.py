@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import platform
 from pallas_kernels.qb import pallas_gpu, xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu")
@@ -27,7 +28,7 @@ def resolve_backend(backend: str, num_tokens: int | None = None) -> str:
     raise ValueError(f"qb: unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
   if backend != "auto":
     return backend
-  if (jax.default_backend() == "gpu" and jax.device_count() == 1
+  if (platform.current() == "gpu" and jax.device_count() == 1
       and (num_tokens is None or pallas_gpu.keeps_column(num_tokens))):
     return "pallas_gpu"
   return "xla"
@@ -48,6 +49,6 @@ def margin_quantile(scores_te, bias_e, real_t, top_k: int, q, *, backend: str = 
   real_t = real_t.reshape(t).astype(bool)
   if backend == "pallas_gpu":
     return pallas_gpu.margin_quantile(scores_te, bias_e, real_t, top_k, q,
-                                      interpret=jax.default_backend() != "gpu")
+                                      interpret=platform.interpret("gpu"))
   return xla.margin_quantile(scores_te.astype(jnp.float32), bias_e.astype(jnp.float32), real_t,
                              top_k, q, unroll=unroll, digit_bits=digit_bits)

@@ -206,6 +206,7 @@ def _launch(scores_te, bias_e, real_t, q, *, top_k: int, interpret: bool, settin
       grid=(t // rows,), out_shape=jax.ShapeDtypeStruct((e_pad, t), F32), interpret=interpret,
       compiler_params=params(settings.wide_warps if e_pad >= settings.wide_experts
                              else settings.num_warps),
+      name="qb_margin_rows",
   )(scores, bias, real_t.reshape(t).astype(jnp.int32))
   need = (q + 1).astype(jnp.int32).reshape(1)
   return pl.pallas_call(
@@ -213,5 +214,5 @@ def _launch(scores_te, bias_e, real_t, q, *, top_k: int, interpret: bool, settin
                         bits=settings.column_digit_bits), grid=(e,),
       out_shape=jax.ShapeDtypeStruct((e,), F32),
       out_specs=pl.BlockSpec((1,), lambda i: (i,)), interpret=interpret,
-      compiler_params=params(settings.column_warps),
+      compiler_params=params(settings.column_warps), name="qb_margin_columns",
   )(margins, need)

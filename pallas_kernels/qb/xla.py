@@ -12,13 +12,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import platform
+
 
 def default_bisection_unroll() -> int | bool:
   """All selection rounds unrolled on GPUs (on an H200, 4 bits per round, a loop of 8 takes 5 %
   longer at 64 experts and 19 % at 896: benchmarks/qb_bisection.md), a loop elsewhere: on CPU
   the unrolled rounds multiply the step's compile time for no run-time gain. Same bits either
   way."""
-  return True if jax.default_backend() == "gpu" else 1
+  return True if platform.current() == "gpu" else 1
 
 
 def default_digit_bits() -> int:
@@ -26,7 +28,7 @@ def default_digit_bits() -> int:
   H200 one QB call over 8,192 tokens takes 150 µs instead of 276 µs with 1 bit at 64 experts,
   745 instead of 1,065 µs at 896; benchmarks/qb_bisection.md), 1 elsewhere (on CPU the wider
   compares cost more than the rounds they save). Same bits for every choice."""
-  return 4 if jax.default_backend() == "gpu" else 1
+  return 4 if platform.current() == "gpu" else 1
 
 
 def ordered_uint32(x: jax.Array) -> jax.Array:

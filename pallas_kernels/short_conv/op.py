@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import platform
 from pallas_kernels.short_conv import pallas_gpu, vjp, xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu")
@@ -48,7 +49,7 @@ def resolve_backend(backend: str, num_rows: int | None = None,
     raise ValueError(f"short_conv: unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
   if backend != "auto":
     return backend
-  if jax.default_backend() == "gpu" and (num_rows is None
+  if platform.current() == "gpu" and (num_rows is None
                                          or pallas_gpu.supports(num_rows, channels)):
     return "pallas_gpu"
   return "xla"
@@ -74,5 +75,5 @@ def causal_conv(x, w, segment_ids=None, *, backend: str = "auto") -> jax.Array:
   backend = resolve_backend(backend, x.shape[0] * x.shape[1], channels)
   if backend == "pallas_gpu":
     pallas_gpu.checked_tiles(x, w)        # the backward kernel's blocks, whichever forward runs
-    return _pallas_gpu_conv(x, w, segment_ids, jax.default_backend() != "gpu")
+    return _pallas_gpu_conv(x, w, segment_ids, platform.interpret("gpu"))
   return xla.causal_conv(x, w, segment_ids)

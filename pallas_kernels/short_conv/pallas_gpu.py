@@ -171,7 +171,8 @@ def forward(x_btc, w_wc, segment_ids_bt, *, interpret: bool = False,
                              seq_len=x_btc.shape[1])
   y = pl.pallas_call(kernel, grid=(n // rows, c // cols),
                      out_shape=jax.ShapeDtypeStruct((n, c), x.dtype), interpret=interpret,
-                     compiler_params=_compiler_params(interpret, settings))(x, seg, w)
+                     compiler_params=_compiler_params(interpret, settings),
+                     name="short_conv_forward")(x, seg, w)
   return y.reshape(x_btc.shape)
 
 
@@ -192,5 +193,6 @@ def backward(x_btc, dy_btc, w_wc, segment_ids_bt, *, interpret: bool = False,
       kernel, grid=(programs, c // cols),
       out_shape=(jax.ShapeDtypeStruct((n, c), x.dtype),
                  jax.ShapeDtypeStruct((programs, width, c), F32)),
-      interpret=interpret, compiler_params=_compiler_params(interpret, settings))(x, dy, seg, w)
+      interpret=interpret, compiler_params=_compiler_params(interpret, settings),
+      name="short_conv_backward")(x, dy, seg, w)
   return dx.reshape(x_btc.shape), jnp.sum(dw_parts, axis=0).reshape(w_wc.shape)

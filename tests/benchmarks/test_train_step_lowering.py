@@ -1,0 +1,71 @@
+"""`benchmarks/train_step.py --lower_for=gpu`: the k3_h200 step as one H200 builds it, traced and
+lowered on this CPU-only machine. Every hand-written kernel of the model's hot path must be in that
+program: a shape or setting that sends one back to XLA's own ops (ragged_dot, the chunked KDA,
+dense attention) fails here, without a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from pallas_kernels import platform
+from tests.benchmarks import scripts
+
+# Each distinct lowering once (a kernel jitted for the same shapes is one function of the
+# program). The routed experts: forward at two shapes (gate/up, down) and their input gradients
+# (gmm with rhsᵀ), the weight gradients (tgmm) at two shapes. KDA: the forward kernels in the
+# forward and again in the backward's recompute, and the backward kernels. MLA: the flash
+# forward (also recomputed) and its two backward kernels. QB's two kernels, AttnRes' backward,
+# the short conv's backward.
+EXPECTED_KERNELS = {
+    "gmm_mgpu": 4, "tgmm_mgpu": 2,
+    "chunk_cumsum_kernel": 2, "strip_scores_kernel": 2, "inverse_kernel": 2, "wu_kernel": 2,
+    "state_seq_kernel": 2, "out_kernel": 2,
+    "state_bwd_kernel": 1, "chunk_bwd_kernel": 1, "wy_bwd_kernel": 1, "score_bwd_kernel": 1,
+    "attention_fwd": 2, "attention_dq": 1, "attention_dkv": 1,
+    "qb_margin_rows": 2, "qb_margin_columns": 2,
+    "attnres_mix_backward": 3, "short_conv_backward": 1,
+}
+
+
+def _k3_h200():
+  path = os.path.join(scripts.REPO, "configs", "k3_h200.py")
+  spec = importlib.util.spec_from_file_location("k3_h200_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config()
+  cfg.train.global_batch_size, cfg.train.microbatches = 8, 2     # the records' 32,768-token step
+  cfg.optim.optimizer = "adamw"
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def row():
+  return scripts.load("train_step").lowered_row(_k3_h200(), "base", "gpu")
+
+
+def test_the_gpu_step_lowers_on_cpu_with_every_kernel(row):
+  assert row["lowered_for"] == "gpu" and row["tokens_per_step"] == 32768
+  assert row["lowered_kernels"] == EXPECTED_KERNELS
+  calls = row["lowered_custom_calls"]
+  assert calls["mosaic_gpu_v2"] == 6 and calls["__gpu$xla.gpu.triton"] == 28
+  # One device: the scanned layers' saved residuals go to unwritten buffers (layer_scan).
+  assert calls["AllocateBuffer"] > 0
+  assert row["trace_s"] > 0 and row["lower_s"] > 0 and row["stablehlo_ops"] > 10_000
+  # The block ended: this process traces for its own backend again.
+  assert platform.current() == "cpu"
+
+
+def test_lowered_kernels_name_triton_calls_and_mosaic_functions():
+  text = "\n".join([
+      'func.func private @gmm_mgpu_35(%a: tensor<8xf32>) -> tensor<8xf32> {',
+      '  %0 = stablehlo.custom_call @mosaic_gpu_v2(%a) {module = "x"} : (tensor<8xf32>) -> tensor<8xf32>',
+      '}',
+      'func.func private @_launch_3(%a: tensor<8xf32>) -> tensor<8xf32> {',
+      '  %0 = stablehlo.custom_call @__gpu$xla.gpu.triton(%a) {mhlo.backend_config = {name = "wu_kernel"}} : (tensor<8xf32>) -> tensor<8xf32>',
+      '  %1 = stablehlo.custom_call @__gpu$xla.gpu.triton(%0) {mhlo.backend_config = {name = "wu_kernel"}} : (tensor<8xf32>) -> tensor<8xf32>',
+      '  %2 = stablehlo.custom_call @AllocateBuffer() : () -> tensor<8xf32>',
+      '}'])
+  assert scripts.load("train_step").lowered_kernels(text) == {"wu_kernel": 2, "gmm_mgpu": 1}
