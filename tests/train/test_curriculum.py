@@ -20,7 +20,7 @@ from k3train import cli
 from k3train import config as config_lib
 from k3train import defaults
 from k3train.optim.optimizer import learning_rate_schedule
-from tests.conftest import CACHE_DIR
+from tests.conftest import CACHE_DIR, xla_flags
 from tests.configs import k3_full, k3_tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -236,7 +236,7 @@ def test_preflight_keeps_the_configs_memory_margin_free():
 
 
 def _env():
-  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  return dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"),
               K3TRAIN_TEST_COMPILATION_CACHE=CACHE_DIR, PYTHONPATH=REPO)
 
 
