@@ -70,7 +70,8 @@ machine (`pallas_kernels.platform.targeting`: every "auto" kernel choice, interp
 grid as there; the state as shapes), and stops before compiling: the row has `trace_s`,
 `lower_s`, the StableHLO's size (`stablehlo_mib` with debug info, `stablehlo_ops` and
 `stablehlo_ops_by_part` by the profile's parts), `lowered_custom_calls` by
-target and `lowered_kernels`, the hand-written kernels by name (each distinct lowering once: a
+target, `lowered_dots`, the matmuls by operand and result types ("bf16,bf16->f32"), and
+`lowered_kernels`, the hand-written kernels by name (each distinct lowering once: a
 kernel jitted with the same shapes is one function the program calls). On a CPU-only machine this
 shows the GPU program's kernels and its host-side compile cost (`trace_s + lower_s`, part of
 `compile_s` on the GPU) without a GPU.
@@ -740,6 +741,15 @@ def stablehlo_ops_by_part(stablehlo_text: str) -> dict[str, int]:
   return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+def dots_by_dtypes(stablehlo_text: str) -> dict[str, int]:
+  """The lowered module's matmuls (`dot_general`) counted by "lhs,rhs->out" element types, e.g.
+  "bf16,bf16->f32": which GEMMs run on float32 operands (TF32 or slower on a GPU)."""
+  tensor = r"tensor<(?:[\d?]+x)*(\w+)>"
+  kinds = re.findall(rf"stablehlo\.dot_general.*?:\s*\({tensor}, {tensor}\) -> {tensor}",
+                     stablehlo_text)
+  return dict(collections.Counter(f"{a},{b}->{o}" for a, b, o in kinds).most_common())
+
+
 def lowered_row(cfg, name: str, target: str) -> dict:
   """`--lower_for`: the step traced and lowered for `target` on this machine, not compiled."""
   from k3train.data import pipeline
@@ -764,6 +774,7 @@ def lowered_row(cfg, name: str, target: str) -> dict:
           "stablehlo_mib": round(len(text.encode()) / 2**20, 2),
           "stablehlo_ops": sum(by_part.values()), "stablehlo_ops_by_part": by_part,
           "lowered_custom_calls": dict(calls.most_common()),
+          "lowered_dots": dots_by_dtypes(text),
           "lowered_kernels": lowered_kernels(text)}
 
 

@@ -54,8 +54,25 @@ def test_the_gpu_step_lowers_on_cpu_with_every_kernel(row):
   # One device: the scanned layers' saved residuals go to unwritten buffers (layer_scan).
   assert calls["AllocateBuffer"] > 0
   assert row["trace_s"] > 0 and row["lower_s"] > 0 and row["stablehlo_ops"] > 10_000
+  assert sum(row["stablehlo_ops_by_part"].values()) == row["stablehlo_ops"]
+  assert {"kda", "mla", "moe_gmm", "optimizer", "attnres"} <= set(row["stablehlo_ops_by_part"])
+  # Every matmul of the step (projections, head, MLA, and their gradients) takes bf16 operands;
+  # weight gradients come out in fp32.
+  assert set(row["lowered_dots"]) == {"bf16,bf16->bf16", "bf16,bf16->f32"}, row["lowered_dots"]
   # The block ended: this process traces for its own backend again.
   assert platform.current() == "cpu"
+
+
+def test_dots_are_counted_by_operand_and_result_types():
+  text = "\n".join([
+      "%3 = stablehlo.dot_general %1, %2, contracting_dims = [1] x [0] : (tensor<4x8xf32>, "
+      "tensor<8xf32>) -> tensor<4xf32>",
+      "%4 = stablehlo.dot_general %a, %b, batching_dims = [0] x [0], contracting_dims = [2] x [1] "
+      ": (tensor<2x4x8xbf16>, tensor<2x8x3xbf16>) -> tensor<2x4x3xf32> loc(#loc3)",
+      "%5 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<?x8xbf16>, "
+      "tensor<8x3xbf16>) -> tensor<?x3xf32>",
+      "%6 = stablehlo.add %a, %b : tensor<4xf32>"])
+  assert scripts.load("train_step").dots_by_dtypes(text) == {"bf16,bf16->f32": 2, "f32,f32->f32": 1}
 
 
 def test_lowered_kernels_name_triton_calls_and_mosaic_functions():
