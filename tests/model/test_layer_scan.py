@@ -17,6 +17,7 @@ from tests.configs import k3_tiny
 from k3train.model import layer_scan
 from k3train.model.decoder import build_model
 from k3train.train.step import loss_and_grads
+from pallas_kernels import platform
 
 L = 3
 
@@ -89,9 +90,9 @@ def test_stacked_buffers_on_one_gpu_are_unwritten_allocations_each_its_own(monke
   body = jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("h"))
   loss = lambda a, s: jnp.sum(layer_scan.accumulating_scan(body, (s, jnp.int32(0)), params, xs,
                                                            consts, a, jnp.float32(1))[0][0] ** 2)
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(jax, "device_count", lambda *a: 1)
-  text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(acc, s0).mlir_module()
+  with platform.targeting("gpu"):
+    text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(acc, s0).mlir_module()
   allocations = [line for line in text.splitlines() if "@AllocateBuffer" in line]
   tags = {re.search(r'backend_config = "([^"]+)"', line).group(1) for line in allocations}
   assert len(allocations) == len(tags) == 2, allocations
@@ -106,7 +107,7 @@ def _doubled(x):
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2.0
   return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        interpret=jax.default_backend() != "gpu")(x)
+                        interpret=platform.interpret("gpu"))(x)
 
 
 @jax.custom_vjp
@@ -155,18 +156,17 @@ def test_saved_kernel_outputs_reach_their_stack_through_a_barrier():
     np.testing.assert_allclose(g_acc[k], acc[k] + g_params[k], rtol=1e-6, atol=1e-6)
 
 
-def test_a_mosaic_gpu_grouped_matmul_counts_as_a_kernel(monkeypatch):
+def test_a_mosaic_gpu_grouped_matmul_counts_as_a_kernel():
   """The routed experts' Mosaic GPU kernel (traced for the GPU, not run) is found as a kernel
   through its jit and custom_vmap_call wrappers, as the layer scan needs for the expert
   matmul outputs the selective policy saves."""
   from pallas_kernels.moe import pallas_gpu
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(pallas_gpu, "_num_sms", lambda interpret: 132)
   shapes = [jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16),
             jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16),
             jax.ShapeDtypeStruct((4,), jnp.int32)]
-  one = jax.make_jaxpr(lambda x, w, g: (checkpoint_name(pallas_gpu.gmm_mgpu(x, w, g), "k"),
-                                        x * 2))(*shapes)
+  with platform.targeting("gpu"):
+    one = jax.make_jaxpr(lambda x, w, g: (checkpoint_name(pallas_gpu.gmm_mgpu(x, w, g), "k"),
+                                          x * 2))(*shapes)
   assert layer_scan._kernel_outputs(one, 0) == [True, False]
 
 
