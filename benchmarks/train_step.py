@@ -694,8 +694,8 @@ KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu", "t
 
 
 def lowered_kernels(stablehlo_text: str) -> dict[str, int]:
-  """The hand-written kernels of a lowered module by name, most frequent first: a Triton call's
-  own `name`, else the name of the function that holds the call (Pallas' Mosaic kernels are
+  """The hand-written kernels of a lowered module by name, most frequent first: a Triton or
+  Mosaic TPU call's own name, else the name of the function that holds the call (Pallas' Mosaic kernels are
   jitted functions; a `_<n>` suffix that tells apart specialisations of one name is dropped)."""
   import bisect
   funcs = [(m.start(), m.group(1)) for m in
@@ -706,7 +706,7 @@ def lowered_kernels(stablehlo_text: str) -> dict[str, int]:
     if m.group(1) not in KERNEL_CALL_TARGETS:
       continue
     line = stablehlo_text[m.start():stablehlo_text.find("\n", m.start())]
-    own = re.search(r'\bname = "([^"]+)"', line)
+    own = re.search(r'\b(?:kernel_)?name = "([^"]+)"', line)
     if own:
       names.append(own.group(1))
     else:

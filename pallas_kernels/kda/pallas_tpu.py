@@ -116,6 +116,7 @@ def state_fwd(qg, kt, w, u, aqk, d, s0, *, chunk, save, interpret):
       out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((dk, bv), F32)], interpret=interpret,
       compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+      name="state_seq_kernel",
   )(_hm(qg), _hm(kt), _hm(w), _hm(u), _hm(aqk), _hm(d), s0)
   o, sf = _hm(outs[0]), outs[1]
   if save:
@@ -169,6 +170,7 @@ def state_bwd(do, dsf, qg, kt, w, aqk, d, *, chunk, interpret):
                  jax.ShapeDtypeStruct((b, h, t, dv), F32)],
       scratch_shapes=[pltpu.VMEM((dk, bv), F32)], interpret=interpret,
       compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+      name="state_bwd_kernel",
   )(_hm(do), dsf, _hm(qg), _hm(kt), _hm(w), _hm(aqk), _hm(d))
   return outs[0], _hm(outs[1]), _hm(outs[2])
 

@@ -1,5 +1,5 @@
-"""`benchmarks/train_step.py --lower_for=gpu`: the k3_h200 step as one H200 builds it, traced and
-lowered on this CPU-only machine. Every hand-written kernel of the model's hot path must be in that
+"""`benchmarks/train_step.py --lower_for=gpu|tpu`: the k3_h200 step as one H200 (or a TPU) builds
+it, traced and lowered on this CPU-only machine. Every hand-written kernel of the model's hot path must be in that
 program: a shape or setting that sends one back to XLA's own ops (ragged_dot, the chunked KDA,
 dense attention) fails here, without a GPU."""
 
@@ -63,6 +63,18 @@ def test_the_gpu_step_lowers_on_cpu_with_every_kernel(row):
   assert platform.current() == "cpu"
 
 
+def test_the_tpu_step_lowers_on_cpu_with_the_mosaic_tpu_kernels():
+  """The same step as a TPU builds it: KDA's Mosaic TPU kernels and splash attention lowered for
+  real (the kernels' CPU tests run them in interpret mode)."""
+  row = scripts.load("train_step").lowered_row(_k3_h200(), "base", "tpu")
+  assert row["lowered_kernels"] == {
+      "intra_kernel": 2, "state_seq_kernel": 2, "state_bwd_kernel": 1, "chunk_bwd_kernel": 1,
+      "intra_bwd_kernel": 1, "splash_mha_fwd_segmented_residuals": 2,
+      "splash_mha_dkv_segmented_no_residuals": 1, "splash_mha_dq_segmented_no_residuals": 1}
+  assert set(row["lowered_custom_calls"]) == {"tpu_custom_call"}
+  assert platform.current() == "cpu"
+
+
 def test_dots_are_counted_by_operand_and_result_types():
   text = "\n".join([
       "%3 = stablehlo.dot_general %1, %2, contracting_dims = [1] x [0] : (tensor<4x8xf32>, "
@@ -75,7 +87,7 @@ def test_dots_are_counted_by_operand_and_result_types():
   assert scripts.load("train_step").dots_by_dtypes(text) == {"bf16,bf16->f32": 2, "f32,f32->f32": 1}
 
 
-def test_lowered_kernels_name_triton_calls_and_mosaic_functions():
+def test_lowered_kernels_name_triton_and_tpu_calls_and_mosaic_gpu_functions():
   text = "\n".join([
       'func.func private @gmm_mgpu_35(%a: tensor<8xf32>) -> tensor<8xf32> {',
       '  %0 = stablehlo.custom_call @mosaic_gpu_v2(%a) {module = "x"} : (tensor<8xf32>) -> tensor<8xf32>',
@@ -84,5 +96,7 @@ def test_lowered_kernels_name_triton_calls_and_mosaic_functions():
       '  %0 = stablehlo.custom_call @__gpu$xla.gpu.triton(%a) {mhlo.backend_config = {name = "wu_kernel"}} : (tensor<8xf32>) -> tensor<8xf32>',
       '  %1 = stablehlo.custom_call @__gpu$xla.gpu.triton(%0) {mhlo.backend_config = {name = "wu_kernel"}} : (tensor<8xf32>) -> tensor<8xf32>',
       '  %2 = stablehlo.custom_call @AllocateBuffer() : () -> tensor<8xf32>',
+      '  %3 = stablehlo.custom_call @tpu_custom_call(%2) {backend_config = "x", kernel_name = "chunk_bwd_kernel"} : (tensor<8xf32>) -> tensor<8xf32>',
       '}'])
-  assert scripts.load("train_step").lowered_kernels(text) == {"wu_kernel": 2, "gmm_mgpu": 1}
+  assert scripts.load("train_step").lowered_kernels(text) == {"wu_kernel": 2, "gmm_mgpu": 1,
+                                                               "chunk_bwd_kernel": 1}
