@@ -85,6 +85,7 @@ lists the largest with their shapes, so the plan's terms can be checked one by o
 
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import json
@@ -695,9 +696,9 @@ KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu", "t
 
 def lowered_kernels(stablehlo_text: str) -> dict[str, int]:
   """The hand-written kernels of a lowered module by name, most frequent first: a Triton or
-  Mosaic TPU call's own name, else the name of the function that holds the call (Pallas' Mosaic kernels are
-  jitted functions; a `_<n>` suffix that tells apart specialisations of one name is dropped)."""
-  import bisect
+  Mosaic TPU call's own name, else the name of the function that holds the call (the Mosaic GPU
+  kernels are jitted functions; a `_<n>` suffix that tells apart specialisations of one name is
+  dropped)."""
   funcs = [(m.start(), m.group(1)) for m in
            re.finditer(r'func\.func (?:private |public )?@([\w.$-]+)', stablehlo_text)]
   starts = [start for start, _ in funcs]

@@ -1,7 +1,7 @@
 """`benchmarks/train_step.py --lower_for=gpu|tpu`: the k3_h200 step as one H200 (or a TPU) builds
-it, traced and lowered on this CPU-only machine. Every hand-written kernel of the model's hot path must be in that
-program: a shape or setting that sends one back to XLA's own ops (ragged_dot, the chunked KDA,
-dense attention) fails here, without a GPU."""
+it, traced and lowered on this CPU-only machine. Every hand-written kernel of the model's hot path
+must be in that program: a shape or setting that sends one back to XLA's own ops (ragged_dot, the
+chunked KDA, dense attention) fails here, without a GPU."""
 
 from __future__ import annotations
 
@@ -90,13 +90,17 @@ def test_dots_are_counted_by_operand_and_result_types():
 def test_lowered_kernels_name_triton_and_tpu_calls_and_mosaic_gpu_functions():
   text = "\n".join([
       'func.func private @gmm_mgpu_35(%a: tensor<8xf32>) -> tensor<8xf32> {',
-      '  %0 = stablehlo.custom_call @mosaic_gpu_v2(%a) {module = "x"} : (tensor<8xf32>) -> tensor<8xf32>',
+      '  %0 = stablehlo.custom_call @mosaic_gpu_v2(%a) {module = "x"} : (tensor<8xf32>) -> '
+      'tensor<8xf32>',
       '}',
       'func.func private @_launch_3(%a: tensor<8xf32>) -> tensor<8xf32> {',
-      '  %0 = stablehlo.custom_call @__gpu$xla.gpu.triton(%a) {mhlo.backend_config = {name = "wu_kernel"}} : (tensor<8xf32>) -> tensor<8xf32>',
-      '  %1 = stablehlo.custom_call @__gpu$xla.gpu.triton(%0) {mhlo.backend_config = {name = "wu_kernel"}} : (tensor<8xf32>) -> tensor<8xf32>',
+      '  %0 = stablehlo.custom_call @__gpu$xla.gpu.triton(%a) {mhlo.backend_config = '
+      '{name = "wu_kernel"}} : (tensor<8xf32>) -> tensor<8xf32>',
+      '  %1 = stablehlo.custom_call @__gpu$xla.gpu.triton(%0) {mhlo.backend_config = '
+      '{name = "wu_kernel"}} : (tensor<8xf32>) -> tensor<8xf32>',
       '  %2 = stablehlo.custom_call @AllocateBuffer() : () -> tensor<8xf32>',
-      '  %3 = stablehlo.custom_call @tpu_custom_call(%2) {backend_config = "x", kernel_name = "chunk_bwd_kernel"} : (tensor<8xf32>) -> tensor<8xf32>',
+      '  %3 = stablehlo.custom_call @tpu_custom_call(%2) {backend_config = "x", '
+      'kernel_name = "chunk_bwd_kernel"} : (tensor<8xf32>) -> tensor<8xf32>',
       '}'])
   assert scripts.load("train_step").lowered_kernels(text) == {"wu_kernel": 2, "gmm_mgpu": 1,
                                                                "chunk_bwd_kernel": 1}

@@ -79,7 +79,8 @@ def test_memory_report_reads_the_peak_from_the_live_range_dump(tmp_path):
   import subprocess
   import sys
   dump, hlo = tmp_path / "xla", tmp_path / "hlo.txt"
-  env = dict(os.environ, XLA_FLAGS=xla_flags(f"--xla_dump_to={dump}", "--xla_dump_hlo_module_re=sharded_step"),
+  env = dict(os.environ,
+             XLA_FLAGS=xla_flags(f"--xla_dump_to={dump}", "--xla_dump_hlo_module_re=sharded_step"),
              JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR="")
   subprocess.run([sys.executable, "-c", PEAK_PROGRAM, str(hlo)], check=True, env=env, timeout=300)
   script = _script()

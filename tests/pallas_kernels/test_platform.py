@@ -19,7 +19,8 @@ def test_the_default_is_jaxs_backend_and_kernels_run_where_they_can():
   assert not platform.is_targeted()
   assert platform.interpret("gpu") and platform.interpret("tpu")
   assert kda.resolve_backend("auto") == "jax"
-  assert moe_ops.resolve_backend("auto", (4096, 1024), (64, 1024, 768), jnp.bfloat16) == "ragged_dot"
+  assert moe_ops.resolve_backend("auto", (4096, 1024), (64, 1024, 768),
+                                 jnp.bfloat16) == "ragged_dot"
 
 
 def test_targeting_the_gpu_makes_every_auto_choice_and_grid_the_gpus():
