@@ -5,13 +5,11 @@ chunked KDA, dense attention) fails here, without a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 
 from pallas_kernels import platform
 from tests.benchmarks import scripts
+from tests.configs import k3_h200
 
 # Each distinct lowering once (a kernel jitted for the same shapes is one function of the
 # program). The routed experts: forward at two shapes (gate/up, down) and their input gradients
@@ -31,11 +29,7 @@ EXPECTED_KERNELS = {
 
 
 def _k3_h200():
-  path = os.path.join(scripts.REPO, "configs", "k3_h200.py")
-  spec = importlib.util.spec_from_file_location("k3_h200_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config()
+  cfg = k3_h200.get_config()
   cfg.train.global_batch_size, cfg.train.microbatches = 8, 2     # the records' 32,768-token step
   cfg.optim.optimizer = "adamw"
   return cfg

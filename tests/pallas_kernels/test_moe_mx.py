@@ -20,6 +20,7 @@ import pytest
 
 from k3train.quant import mx
 from pallas_kernels import moe as moe_ops
+from pallas_kernels import platform
 from pallas_kernels.moe import mx_operands, pallas_gpu
 from tests.pallas_kernels import mgpu_interpret_shim
 from tests.pallas_kernels.gmm_testing import loop_gmm, normal
@@ -310,13 +311,12 @@ def test_gmm_mx_pallas_gpu_backend_bf16_in_interpret_mode():
 
 @pytest.mark.parametrize("e2m1_decode", pallas_gpu.E2M1_DECODES)
 @pytest.mark.parametrize("lhs_format", ["bf16", "mxfp8"])
-def test_mx_kernel_lowers_to_mosaic_gpu(monkeypatch, lhs_format, e2m1_decode):
+def test_mx_kernel_lowers_to_mosaic_gpu(lhs_format, e2m1_decode):
   """The hardware branches of gmm_mx_mgpu and gmm_mx_mgpu_mxfp8 (layout-annotated loads, the
   register decodes, with each weight decode, the wgmma operands — the activations as the
   register operand for mxfp8) pass Mosaic GPU's layout inference and lowering for an H100/H200
   (sm_90) with the default tiles, and with 4 stages and tile_m = 64; nothing runs (no GPU
   here)."""
-  monkeypatch.setattr(pallas_gpu, "_num_sms", lambda interpret: 132)
   m, k, n, g = 1000, 512, 512, 4
   s = jax.ShapeDtypeStruct
   rhs = (s((g, n, k // 2), jnp.uint8), s((g, n, k // 32), jnp.uint8), s((g,), jnp.int32))
@@ -330,7 +330,8 @@ def test_mx_kernel_lowers_to_mosaic_gpu(monkeypatch, lhs_format, e2m1_decode):
       f = jax.jit(lambda c, sc, p, w, gs: pallas_gpu.gmm_mx_mgpu_mxfp8(c, sc, p, w, gs,
                                                                        config=cfg))
       lhs = (s((m, k), jnp.float8_e4m3fn), s((m, k // 32), jnp.uint8))
-    lowered = f.trace(*lhs, *rhs).lower(lowering_platforms=("cuda",))
+    with platform.targeting("gpu"):           # the grid of an H100/H200's 132 SMs
+      lowered = f.trace(*lhs, *rhs).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
