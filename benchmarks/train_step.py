@@ -74,7 +74,7 @@ target, `lowered_dots`, the matmuls by operand and result types ("bf16,bf16->f32
 `lowered_kernels`, the hand-written kernels by name (each distinct lowering once: a
 kernel jitted with the same shapes is one function the program calls). On a CPU-only machine this
 shows the GPU program's kernels and its host-side compile cost (`trace_s + lower_s`, part of
-`compile_s` on the GPU) without a GPU.
+`compile_s` on the GPU) without a GPU; with `--lower_profile` that cost is taken apart by function.
 
 `--memory_report` has XLA dump the compiled step (`--xla_dump_to`, into `--dump_dir` or a
 temporary folder) and reads the buffers live at its memory peak from the dump's live-range file:
@@ -751,8 +751,9 @@ def dots_by_dtypes(stablehlo_text: str) -> dict[str, int]:
   return dict(collections.Counter(f"{a},{b}->{o}" for a, b, o in kinds).most_common())
 
 
-def lowered_row(cfg, name: str, target: str) -> dict:
-  """`--lower_for`: the step traced and lowered for `target` on this machine, not compiled."""
+def lowered_row(cfg, name: str, target: str, profile: bool = False) -> dict:
+  """`--lower_for`: the step traced and lowered for `target` on this machine, not compiled; with
+  `profile` (`--lower_profile`) under cProfile, reported as `lower_profile`."""
   from k3train.data import pipeline
   from pallas_kernels import platform
   t = cfg.train
@@ -761,11 +762,18 @@ def lowered_row(cfg, name: str, target: str) -> dict:
   with platform.targeting(target):
     run = abstract_run(cfg)
     batch = run.layout.global_batch(next(data))
+    profiler = None
+    if profile:
+      import cProfile
+      profiler = cProfile.Profile()
+      profiler.enable()
     t0 = time.perf_counter()
     traced = run.step.trace(run.state, batch)
     t1 = time.perf_counter()
     lowered = traced.lower(lowering_platforms=(LOWERING_PLATFORMS[target],))
     t2 = time.perf_counter()
+    if profiler is not None:
+      profiler.disable()
   text = lowered.as_text(debug_info=True)
   calls = collections.Counter(re.findall(r'custom_call @([\w.$-]+)\(', text))
   by_part = stablehlo_ops_by_part(text)
@@ -776,13 +784,14 @@ def lowered_row(cfg, name: str, target: str) -> dict:
           "stablehlo_ops": sum(by_part.values()), "stablehlo_ops_by_part": by_part,
           "lowered_custom_calls": dict(calls.most_common()),
           "lowered_dots": dots_by_dtypes(text),
-          "lowered_kernels": lowered_kernels(text)}
+          "lowered_kernels": lowered_kernels(text),
+          **({"lower_profile": python_profile(profiler, top=150)} if profiler else {})}
 
 
 def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   """One JSON row for config `cfg`; xla_dump: where XLA dumps the step (`--memory_report`)."""
   if fv.lower_for:
-    return lowered_row(cfg, name, fv.lower_for)
+    return lowered_row(cfg, name, fv.lower_for, profile=fv.lower_profile)
   import jax
   import numpy as np
   from k3train.data import pipeline

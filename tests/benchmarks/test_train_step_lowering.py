@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels import platform
 from tests.benchmarks import scripts
-from tests.configs import k3_h200
+from tests.configs import k3_h200, k3_tiny, quick
 
 # Each distinct lowering once (a kernel jitted for the same shapes is one function of the
 # program). The routed experts: forward at two shapes (gate/up, down) and their input gradients
@@ -42,6 +42,7 @@ def row():
 
 def test_the_gpu_step_lowers_on_cpu_with_every_kernel(row):
   assert row["lowered_for"] == "gpu" and row["tokens_per_step"] == 32768
+  assert "lower_profile" not in row                                   # only when asked
   assert row["lowered_kernels"] == EXPECTED_KERNELS
   calls = row["lowered_custom_calls"]
   assert calls["mosaic_gpu_v2"] == 6 and calls["__gpu$xla.gpu.triton"] == 28
@@ -67,6 +68,17 @@ def test_the_tpu_step_lowers_on_cpu_with_the_mosaic_tpu_kernels():
       "splash_mha_dkv_segmented_no_residuals": 1, "splash_mha_dq_segmented_no_residuals": 1}
   assert set(row["lowered_custom_calls"]) == {"tpu_custom_call"}
   assert platform.current() == "cpu"
+
+
+def test_lower_profile_takes_the_host_cost_apart_by_function():
+  """`--lower_for` with `--lower_profile`: tracing and lowering under cProfile, the model's own
+  functions among the longest (the four-layer k3_tiny, lowered for the GPU)."""
+  row = scripts.load("train_step").lowered_row(quick(k3_tiny.get_config()), "tiny", "gpu",
+                                               profile=True)
+  cumulative = row["lower_profile"]["cumulative"]
+  assert len(cumulative) == 150 and cumulative == sorted(cumulative, key=lambda r: -r[0])
+  assert any("k3train/model/decoder.py" in where and "hidden_states" in where
+             for _, _, where in cumulative)
 
 
 def test_dots_are_counted_by_operand_and_result_types():
