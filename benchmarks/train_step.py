@@ -75,6 +75,13 @@ target, `lowered_dots`, the matmuls by operand and result types ("bf16,bf16->f32
 kernel jitted with the same shapes is one function the program calls). On a CPU-only machine this
 shows the GPU program's kernels and its host-side compile cost (`trace_s + lower_s`, part of
 `compile_s` on the GPU) without a GPU; with `--lower_profile` that cost is taken apart by function.
+`--compile_for=h200` goes on to compile the lowered step with XLA's GPU compiler for that GPU, on
+any machine (benchmarks/gpu_target.py: the CUDA plugin against a described device, compile-only
+devices; needs `jax-cuda12-plugin[with-cuda]` at jax's version, no GPU): the row has the compile
+fields, `kernels` and the memory fields of `--compile_only`, and `--memory_report` and
+`--compile_profile` work with it. Nothing can be timed there, so XLA skips autotuning: GEMM and
+Triton fusions take its default configurations, and `backend_compile_s` lacks autotuning's share
+(15–19 s of the k3_h200 step's compile on an H200 host) but is otherwise this host's compile.
 
 `--memory_report` has XLA dump the compiled step (`--xla_dump_to`, into `--dump_dir` or a
 temporary folder) and reads the buffers live at its memory peak from the dump's live-range file:
@@ -100,6 +107,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _record  # noqa: E402
+from benchmarks import gpu_target  # noqa: E402
 from k3train import cli  # noqa: E402
 
 PROG = "python benchmarks/train_step.py"
@@ -145,6 +153,9 @@ def define(fv: flags.FlagValues) -> None:
                     "platform would build it (on any machine; nothing compiled or run) and report "
                     "trace and lower seconds, the program's size and its kernels by name",
                     flag_values=fv)
+  flags.DEFINE_enum("compile_for", "", ["", *gpu_target.TARGETS], "lower and compile the step for this GPU "
+                    "on this machine, which needs no GPU (benchmarks/gpu_target.py; no autotuning) "
+                    "and report compile time, kernels and memory", flag_values=fv)
   flags.DEFINE_bool("compile_profile", False, "trace the host while the step compiles and report "
                     "XLA's compile phases (compile_events)", flag_values=fv)
 
@@ -155,13 +166,14 @@ def define(fv: flags.FlagValues) -> None:
 PROFILE_COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": ""}}
 
 
-def abstract_run(cfg):
+def abstract_run(cfg, devices=None):
   """`builder.build(cfg)`'s Run with the state as ShapeDtypeStructs carrying their shardings
-  (`builder.restore_target`): enough to lower and compile the step, nothing initialised."""
+  (`builder.restore_target`): enough to lower and compile the step, nothing initialised.
+  devices: the mesh's devices (default: all of this machine's)."""
   from k3train.optim.optimizer import make_optimizer
   from k3train.train import builder
   from k3train.train import layout as layout_lib
-  layout = layout_lib.make_layout(cfg)
+  layout = layout_lib.make_layout(cfg, devices)
   graphdef, state_like, shardings = builder.restore_target(cfg, layout)
   optimizer = make_optimizer(cfg, state_like.params)
   step = builder.jit_train_step(cfg, graphdef, optimizer, layout, shardings)
@@ -788,10 +800,85 @@ def lowered_row(cfg, name: str, target: str, profile: bool = False) -> dict:
           **({"lower_profile": python_profile(profiler, top=150)} if profiler else {})}
 
 
+def compile_step(run, batch, fv, name: str):
+  """(lowered, compiled, compile seconds, the row's compile fields) of `run.step` on `batch`
+  (arrays or ShapeDtypeStructs with shardings); "<name>: compiled in …" goes to stderr at once,
+  so a run stopped later still says how long it compiled."""
+  import jax
+  events_before = _jax_event_seconds()
+  compile_trace = tempfile.mkdtemp(prefix="k3_compile_trace_") if fv.compile_profile else ""
+  if compile_trace:
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.host_tracer_level = 2
+    jax.profiler.start_trace(compile_trace, profiler_options=options)
+  profiler = None
+  if fv.lower_profile:
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
+  t0 = time.perf_counter()
+  lowered = run.step.lower(run.state, batch)
+  t1 = time.perf_counter()
+  if profiler is not None:
+    profiler.disable()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  if compile_trace:
+    jax.profiler.stop_trace()
+  compile_s = t2 - t0
+  hlo_text = compiled.as_text() or ""
+  compile_row = {"trace_lower_s": round(t1 - t0, 1), "backend_compile_s": round(t2 - t1, 1),
+                 "jax_compile_events_s": {
+                     k.rsplit("/", 1)[-1]: round(v - events_before.get(k, 0.0), 1)
+                     for k, v in _jax_event_seconds().items() if k.startswith("/jax/core/compile/")},
+                 "kernels_by_part": kernels_by_part(hlo_text),
+                 "custom_calls": custom_calls_by_target(hlo_text)}
+  compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
+  if compile_trace:
+    compile_row["compile_events"] = compile_events(compile_trace)
+  if profiler is not None:
+    compile_row["lower_profile"] = python_profile(profiler)
+  print(f"{name}: compiled in {compile_s:.1f} s (trace + lower {compile_row['trace_lower_s']} s, "
+        f"XLA {compile_row['backend_compile_s']} s), {compile_row['kernels']} kernels",
+        file=sys.stderr, flush=True)
+  return lowered, compiled, compile_s, compile_row
+
+
+def compiled_for_row(cfg, fv, name: str, xla_dump: str = "") -> dict:
+  """`--compile_for`: the step lowered and compiled for the target GPU on this machine
+  (benchmarks/gpu_target.py), the state and batch as shapes; the compile and memory fields."""
+  import jax
+  import numpy as np
+  from k3train.data import pipeline
+  from pallas_kernels import platform
+  t = cfg.train
+  target = gpu_target.load(fv.compile_for)
+  devices = gpu_target.devices(target)
+  data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
+                                     process_index=0, process_count=1)
+  with platform.targeting("gpu", sm_count=target.sm_count):
+    run = abstract_run(cfg, devices)
+    batch = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype,
+                                     sharding=run.layout.sharding_for(k))
+             for k, v in next(data).items()}
+    lowered, compiled, compile_s, compile_row = compile_step(run, batch, fv, name)
+  row = {"name": name, "compiled_for": f"{target.name} ({target.description}), no autotuning",
+         "tokens_per_step": t.global_batch_size * cfg.data.seq_len,
+         "compile_s": round(compile_s, 1), **compile_row,
+         **memory_row(compiled, cfg, len(devices))}
+  if xla_dump:
+    row.update(memory_report(xla_dump, compiled.as_text() or ""))
+  del compiled, lowered, run
+  return row
+
+
 def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   """One JSON row for config `cfg`; xla_dump: where XLA dumps the step (`--memory_report`)."""
   if fv.lower_for:
     return lowered_row(cfg, name, fv.lower_for, profile=fv.lower_profile)
+  if fv.compile_for:
+    return compiled_for_row(cfg, fv, name, xla_dump)
   import jax
   import numpy as np
   from k3train.data import pipeline
@@ -814,44 +901,8 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   # Compiled once, ahead of time, on the first batch: the executable is the one timed, profiled
   # and whose memory analysis is read (it keeps the jitted step's shardings and state donation).
   batch = run.layout.global_batch(next(data))
-  events_before = _jax_event_seconds()
-  compile_trace = tempfile.mkdtemp(prefix="k3_compile_trace_") if fv.compile_profile else ""
-  if compile_trace:
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
-    options.host_tracer_level = 2
-    jax.profiler.start_trace(compile_trace, profiler_options=options)
-  profiler = None
-  if fv.lower_profile:
-    import cProfile
-    profiler = cProfile.Profile()
-    profiler.enable()
-  t0 = time.perf_counter()
-  lowered = run.step.lower(state, batch)
-  t1 = time.perf_counter()
-  if profiler is not None:
-    profiler.disable()
-  compiled = lowered.compile()
-  t2 = time.perf_counter()
-  if compile_trace:
-    jax.profiler.stop_trace()
-  compile_s = t2 - t0
+  lowered, compiled, compile_s, compile_row = compile_step(run, batch, fv, name)
   hlo_text = compiled.as_text() or ""
-  compile_row = {"trace_lower_s": round(t1 - t0, 1), "backend_compile_s": round(t2 - t1, 1),
-                 "jax_compile_events_s": {
-                     k.rsplit("/", 1)[-1]: round(v - events_before.get(k, 0.0), 1)
-                     for k, v in _jax_event_seconds().items() if k.startswith("/jax/core/compile/")},
-                 "kernels_by_part": kernels_by_part(hlo_text),
-                 "custom_calls": custom_calls_by_target(hlo_text)}
-  compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
-  if compile_trace:
-    compile_row["compile_events"] = compile_events(compile_trace)
-  if profiler is not None:
-    compile_row["lower_profile"] = python_profile(profiler)
-  # On stderr at once, so that a run stopped during its steps still says how long it compiled.
-  print(f"{name}: compiled in {compile_s:.1f} s (trace + lower {compile_row['trace_lower_s']} s, "
-        f"XLA {compile_row['backend_compile_s']} s), {compile_row['kernels']} kernels",
-        file=sys.stderr, flush=True)
   if fv.compile_only:
     row = {"name": name, "compile_only": True, "tokens_per_step": t.global_batch_size * cfg.data.seq_len,
            "compile_s": round(compile_s, 1), **compile_row,
@@ -963,8 +1014,18 @@ def main(argv=None) -> int:
         tempfile.mkdtemp(prefix="k3_xla_dump_")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={xla_dump}"
                                " --xla_dump_hlo_module_re=sharded_step").strip()
-  import jax
   fv = args.flags
+  if fv.compile_for:
+    problem = gpu_target.missing_plugin()
+    if fv.lower_for:
+      problem = "--compile_for and --lower_for exclude each other (--compile_for also lowers)"
+    if problem:
+      cli.error(PROG, problem)
+      return cli.USAGE_ERROR
+    os.environ.update(gpu_target.environment())
+    import jax
+    jax.config.update("jax_platforms", "cpu")   # the runtime: nothing runs on the target
+  import jax
   try:
     variants = [("base", {})] + parse_variants(fv.variants)
   except ValueError as e:
@@ -973,6 +1034,8 @@ def main(argv=None) -> int:
   # Step times compare only under the same runtime settings: record them with every row.
   env = _record.environment(xla_flags=os.environ.get("XLA_FLAGS", ""),
                             mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ""))
+  if fv.compile_for:   # compiled for that device on this machine's host, never run on it
+    env["device"] = gpu_target.load(fv.compile_for).description
   rows = []
   for position, (name, pairs) in enumerate(variants):
     cfg = apply_overrides(args.config, pairs)
