@@ -27,7 +27,7 @@ With --profile_steps > 0 those steps run under `jax.profiler.trace` and every de
 assigned to a model part by the `jax.named_scope` names in its HLO op_name (`PARTS`: KDA, MLA,
 routed-expert matmuls, dispatch / combine, router, QB statistics, the MoE's latent down / up
 projections and shared experts, the dense FFN, AttnRes, norms, head and loss, optimizer with the
-finite check); a fusion without metadata takes that of the first located instruction it fuses.
+gradient norms); a fusion without metadata takes that of the first located instruction it fuses.
 Each part is also split by pass (`pass_ms_per_step`: forward, backward, and "recomputed", the
 forward rematerialised inside the backward) and by what runs it (`kind_ms_per_step`: "gemm",
 "kernel" for the hand-written Pallas / Mosaic GPU / cuDNN kernels, "fusion" for XLA's own
@@ -117,7 +117,7 @@ PROG = "python benchmarks/train_step.py"
 # first name of this list that appears in an op's scope path decides: the expert matmuls before
 # their dispatch / combine, a norm inside an attention layer counts as that layer, the shared
 # experts (an `ffn` inside `moe_proj`) as the MoE's dense projections. "optimizer" holds the
-# update and the finite check of the new state, which XLA fuses together.
+# gradient norms and the update.
 PARTS = ("optimizer", "moe_gmm", "router_qb", "router", "moe_dispatch_combine", "moe_proj", "kda",
          "mla", "ffn", "head_loss", "attnres", "norm")
 

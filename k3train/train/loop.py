@@ -1,7 +1,9 @@
 """The training loop: build or restore state, run jitted steps, log, checkpoint, stop cleanly.
 
 The loop never waits on the step it just dispatched: metrics are read one step late. A NaN/Inf
-loss stops the run (naming the step) before anything is checkpointed from it; SIGTERM saves a
+loss, gradient norm or model state (checked in the step) stops the run (naming the step) before
+anything is checkpointed from it, and so does a NaN/Inf parameter or optimizer-state leaf, which
+`step.state_nonfinite` looks for before every checkpoint save; SIGTERM saves a
 checkpoint and exits; re-running with the same workdir resumes exactly where it stopped.
 
 With train.use_stages the loop runs the curriculum's stages one after the other in this process
@@ -63,7 +65,7 @@ from k3train.train import metrics as metrics_lib
 from k3train.train import writers as writers_lib
 from k3train.optim.optimizer import learning_rate_schedule
 from k3train.train.checkpoint import Checkpointer, flatten_state
-from k3train.train.step import NONFINITE_GROUPS
+from k3train.train.step import NONFINITE_GROUPS, state_nonfinite
 
 
 EVAL_METRICS = writers_lib.STREAM_FILES["eval"]   # one row per eval (metrics.jsonl: one per step)
@@ -164,10 +166,11 @@ def _restore_data_state(data, saved: dict) -> None:
 
 
 def _check_finite(step: int, host_metrics: dict, leaf_names=None) -> None:
-  """Raises on a non-finite loss, or on the step's "nonfinite" flags (k3train/train/step.py);
-  `leaf_names()` gives the names of the state's leaves, to name the first offending one."""
-  loss = host_metrics["loss"]
-  if not math.isfinite(loss):
+  """Raises on a non-finite loss, or on the "nonfinite" flags (k3train/train/step.py) of the step
+  or of the whole-state check; `leaf_names()` gives the names of the state's leaves, to name the
+  first offending one. Metrics without a loss are a whole-state check alone."""
+  loss = host_metrics.get("loss")
+  if loss is not None and not math.isfinite(loss):
     raise NonFiniteLossError(
         f"loss is {loss} at step {step} (grad_norm {host_metrics.get('grad_norm')}); stopping. "
         "Nothing from this step was checkpointed; lower optim.learning_rate or check the data, "
@@ -180,11 +183,19 @@ def _check_finite(step: int, host_metrics: dict, leaf_names=None) -> None:
     if leaf >= 0 and leaf_names is not None:
       names = leaf_names()
       name = f"; first non-finite leaf {names[leaf]}" if leaf < len(names) else ""
+    seen = "".join(f"; {k} {host_metrics[k]}" for k in ("loss", "grad_norm") if k in host_metrics)
     raise NonFiniteStateError(
-        f"non-finite {', '.join(groups)} at step {step} ({groups[0]} first{name}; loss {loss}, "
-        f"grad_norm {host_metrics.get('grad_norm')}); stopping. Nothing from "
-        "this step was checkpointed; lower optim.learning_rate or check the data, then resume "
-        "from the last checkpoint in the workdir.")
+        f"non-finite {', '.join(groups)} at step {step} ({groups[0]} first{name}{seen}); "
+        "stopping. Nothing from this step was checkpointed; lower optim.learning_rate or check "
+        "the data, then resume from the last checkpoint in the workdir.")
+
+
+def _merge_state_flags(host_metrics: dict, flags: dict) -> None:
+  """Adds the whole-state check's "nonfinite" bits and first leaf to a step's metrics."""
+  code = int(host_metrics.get("nonfinite", 0)) | int(flags["nonfinite"])
+  leaves = [int(x) for x in (host_metrics.get("nonfinite_leaf", -1), flags["nonfinite_leaf"])]
+  host_metrics["nonfinite"] = float(code)
+  host_metrics["nonfinite_leaf"] = float(min((i for i in leaves if i >= 0), default=-1))
 
 
 def params_fingerprint(params) -> float:
@@ -431,11 +442,16 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
   window = {"steps": 0, "seconds": 0.0, "tokens": 0.0}   # since the last progress line
   carried = {}    # timings of work between two steps, reported in the next step's row
 
-  def record(step: int, device_metrics, moe_load, data_row: dict, timings: dict) -> None:
-    """Reads one finished step's metrics (one step late), checks them, writes and logs them."""
+  def record(step: int, device_metrics, moe_load, data_row: dict, timings: dict,
+             check_state: bool = False) -> None:
+    """Reads one finished step's metrics (one step late), checks them, writes and logs them.
+    check_state (before a checkpoint of this step's state): also checks every leaf of the state
+    (`step.state_nonfinite`; the step itself checks all but the parameters and optimizer state)."""
     nonlocal updates_skipped
     host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     seconds = meter.lap()
+    if check_state:
+      _merge_state_flags(host, check_whole_state())
     _check_finite(step, host, lambda: list(flatten_state(state)))
     host.update(data_row)
     host["lr"] = learning_rate(step - 1 - updates_skipped)
@@ -501,6 +517,20 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
       ckpt.save(step, state, _all_hosts_data_state(data), force=force)
     return time.perf_counter() - t0
 
+  whole_state_check = []   # the jitted `state_nonfinite`, compiled at the first checkpoint
+
+  def check_whole_state() -> dict:
+    """`state_nonfinite` of the current state on the host; its time (the first call compiles it)
+    goes to the next step's "checkpoint_save_s", not to a step's time."""
+    t0 = time.perf_counter()
+    if not whole_state_check:
+      whole_state_check.append(jax.jit(state_nonfinite))
+    flags = {k: float(v) for k, v in jax.device_get(whole_state_check[0](state)).items()}
+    seconds = time.perf_counter() - t0
+    meter.exclude(seconds)
+    carried["checkpoint_save_s"] = carried.get("checkpoint_save_s", 0.0) + seconds
+    return flags
+
   pending = None   # (step, device metrics, moe load, data scalars, timings) of the step in flight
   compiled = False
   step = start
@@ -542,13 +572,18 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
       evaluate(step)
     if step % cfg.checkpoint.every_steps == 0 and step < stage_end:
       if pending is not None:
-        record(*pending)   # never checkpoint a non-finite state
+        record(*pending, check_state=True)   # never checkpoint a non-finite state
         pending = None
-      carried["checkpoint_save_s"] = save(step)
-      meter.exclude(carried["checkpoint_save_s"])
+      else:
+        _check_finite(step, check_whole_state(), lambda: list(flatten_state(state)))
+      seconds = save(step)
+      carried["checkpoint_save_s"] = carried.get("checkpoint_save_s", 0.0) + seconds
+      meter.exclude(seconds)
       last_saved = step
   if pending is not None:
-    record(*pending)
+    record(*pending, check_state=step != last_saved)
+  elif step != last_saved:
+    _check_finite(step, check_whole_state(), lambda: list(flatten_state(state)))
   if step != last_saved:
     save(step, force=True)
   fh.flush()

@@ -324,18 +324,27 @@ def spike_guard(loss, loss_ema, *, factor: float, decay: float):
 
 # Bits of the "nonfinite" metric: which part of a step's result holds a NaN or Inf.
 NONFINITE_GROUPS = ((1, "grad_norm"), (2, "params"), (4, "opt_state"), (8, "model state (rest)"))
+# The state fields the step itself checks: everything but the parameters and the optimizer state.
+# Those two are ~750 leaves at k3_h200; a check of each in the step is a reduction kernel per leaf
+# fused into the update, which cost ~540 of the compiled step's ~3,200 kernels and ~13 s of its
+# compile (benchmarks/train_step.md). The train loop checks them in full with `state_nonfinite`
+# before every checkpoint save; between saves a non-finite parameter shows in the next loss.
+STEP_CHECKED_FIELDS = ("step", "rest", "loss_ema", "skipped")
 
 
-def nonfinite_check(new_state: TrainState, grad_norm, skip) -> dict:
-  """Two scalars for the loop: "nonfinite" (0 when every float leaf of the new state and the
-  gradient norm are finite, else the sum of the NONFINITE_GROUPS bits that are not) and
-  "nonfinite_leaf" (index of the first non-finite leaf in `jax.tree.leaves(new_state)`, -1 if
-  none). A gradient norm that is not finite is allowed when the spike guard skipped the update."""
-  # One flag per leaf, by field in the state's leaf order; the groups reuse the leaves' flags
-  # (each all(isfinite) traced once: the state has ~800 leaves at k3_h200).
+def nonfinite_check(new_state: TrainState, grad_norm, skip, fields=None) -> dict:
+  """Two scalars for the loop: "nonfinite" (0 when every float leaf of the checked fields of the
+  new state and the gradient norm are finite, else the sum of the NONFINITE_GROUPS bits that are
+  not) and "nonfinite_leaf" (index of the first non-finite leaf in `jax.tree.leaves(new_state)`,
+  -1 if none). A gradient norm that is not finite is allowed when the spike guard skipped the
+  update. fields: the TrainState fields checked (None: all)."""
+  # One flag per leaf, by field in the state's leaf order (an unchecked field's leaves count as
+  # finite, so leaf indices stay those of the whole state); the groups reuse the leaves' flags.
   finite = lambda x: (jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
                       else jnp.bool_(True))
-  by_field = {f.name: [finite(x) for x in jax.tree.leaves(getattr(new_state, f.name))]
+  checked = {f.name for f in dataclasses.fields(new_state)} if fields is None else set(fields)
+  by_field = {f.name: [finite(x) if f.name in checked else jnp.bool_(True)
+                       for x in jax.tree.leaves(getattr(new_state, f.name))]
               for f in dataclasses.fields(new_state)}
   ok_all = jnp.stack([flag for flags in by_field.values() for flag in flags])
   def group_ok(name):
@@ -347,6 +356,12 @@ def nonfinite_check(new_state: TrainState, grad_norm, skip) -> dict:
   code = sum(bit * bad[name].astype(jnp.float32) for bit, name in NONFINITE_GROUPS)
   first = jnp.where(jnp.all(ok_all), -1, jnp.argmin(ok_all.astype(jnp.int32)))
   return {"nonfinite": code, "nonfinite_leaf": first.astype(jnp.float32)}
+
+
+def state_nonfinite(state: TrainState) -> dict:
+  """`nonfinite_check` of every field of a train state (no gradient norm): what the loop runs,
+  jitted, before it saves a checkpoint."""
+  return nonfinite_check(state, jnp.float32(0.0), jnp.bool_(False))
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_spike_factor: float = 0.0,
@@ -418,8 +433,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
       metrics["mla_max_logit"] = jnp.max(jnp.concatenate([x.reshape(-1) for x in logits_max]))
     skipped = state.skipped + skip.astype(jnp.int32)
     new_state = TrainState(state.step + 1, params, rest, opt_state, loss_ema, skipped)
-    with jax.named_scope("optimizer"):   # XLA fuses the check into the update's fusions
-      metrics.update(nonfinite_check(new_state, metrics["grad_norm"], skip))
+    metrics.update(nonfinite_check(new_state, metrics["grad_norm"], skip,
+                                   fields=STEP_CHECKED_FIELDS))
     return new_state, metrics
 
   return train_step

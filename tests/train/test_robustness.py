@@ -58,6 +58,15 @@ def test_nonfinite_flags_name_the_group_and_the_first_leaf():
                              bad.loss_ema, bad.skipped)
   flags = step_lib.nonfinite_check(late, jnp.float32(jnp.nan), jnp.bool_(False))
   assert int(flags["nonfinite"]) == 1 + 4 and names[int(flags["nonfinite_leaf"])] == "opt_state.mu"
+  # The step checks all but the parameters and the optimizer state (the loop checks those before
+  # each checkpoint): NaN parameters pass, NaN model state does not, and leaf indices stay the
+  # whole state's.
+  step_only = lambda state: step_lib.nonfinite_check(state, jnp.float32(1.0), jnp.bool_(False),
+                                                     fields=step_lib.STEP_CHECKED_FIELDS)
+  assert float(step_only(bad)["nonfinite"]) == 0 and float(step_only(bad)["nonfinite_leaf"]) == -1
+  flags = step_only(two)
+  assert int(flags["nonfinite"]) == 8 and names[int(flags["nonfinite_leaf"])] == "rest.bias"
+  assert int(step_lib.state_nonfinite(two)["nonfinite"]) == 2 + 4 + 8
   # An infinite gradient norm stops the run, unless the loss-spike guard skipped that update.
   assert int(step_lib.nonfinite_check(ok, jnp.float32(jnp.inf), jnp.bool_(False))["nonfinite"]) == 1
   assert int(step_lib.nonfinite_check(ok, jnp.float32(jnp.inf), jnp.bool_(True))["nonfinite"]) == 0
