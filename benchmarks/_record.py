@@ -76,10 +76,25 @@ def dims(text: str) -> tuple[int, ...]:
 
 
 # A kernel of a compiled module: an instruction that is a fusion or a custom call (its name is
-# group 1). The backend compiles, autotunes and launches these one by one.
-KERNEL_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+(?:fusion|custom-call)\(")
+# group 1); the backend compiles, autotunes and launches these one by one. Its shape may be a
+# tuple ("(f32[8]{0}, s8[64]{0})": multi-output fusions, cuBLAS calls with their workspace).
+KERNEL_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+(?:fusion|custom-call)\(")
+# The header of a computation ("%fused_reduce.3 (p: f32[8]) -> f32[] {", "ENTRY %main.9 (…) … {").
+COMPUTATION_LINE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+FUSION_CALLS = re.compile(r"\bfusion\(.*?\bcalls=%?([\w.\-]+)")
 
 
 def kernel_names(hlo_text: str) -> list[str]:
-  """Names of the fusions and custom calls of a compiled module's HLO text."""
-  return [m.group(1) for m in map(KERNEL_LINE.match, hlo_text.splitlines()) if m]
+  """Names of the kernels a compiled module launches: its fusions and custom calls, outside
+  fused computations (what a fusion holds is part of its one kernel)."""
+  fused = set(FUSION_CALLS.findall(hlo_text))
+  names, inside_fusion = [], False
+  for line in hlo_text.splitlines():
+    head = COMPUTATION_LINE.match(line)
+    if head:
+      inside_fusion = head.group(1) in fused
+      continue
+    m = None if inside_fusion else KERNEL_LINE.match(line)
+    if m:
+      names.append(m.group(1))
+  return names

@@ -48,8 +48,9 @@ load (Quantile Balancing's balance over the run).
 
 Compile time is also split: `trace_lower_s` (tracing to a jaxpr and lowering to StableHLO),
 `backend_compile_s` (XLA), and `jax_compile_events_s` (jax's own duration events: jaxpr trace,
-MLIR lowering, backend compile). `kernels` counts the fusions and custom calls of the compiled
-step, `kernels_by_part` the same by part: what the backend compiles and tunes one by one.
+MLIR lowering, backend compile). `kernels` counts the fusions and custom calls the compiled
+step launches, `kernels_by_part` the same by part, and `kernels_distinct` those XLA generates
+code for (it emits identical fusions once).
 `custom_calls` counts the step's custom calls by target, those inside fusions included (a
 Pallas or Mosaic GPU kernel that XLA copied into another fusion counts twice).
 `--compile_profile` traces the host during the compile (Python tracer off) and reports
@@ -506,6 +507,20 @@ def kernels_by_part(hlo_text: str) -> dict[str, int]:
   return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+def distinct_kernels(hlo_text: str) -> int:
+  """How many of the compiled module's kernels (`_record.kernel_names`) differ: XLA emits the code
+  of identical fusions once and marks the repeats with `deduplicated_name`, so this is the
+  number of kernels the backend generates code for (custom calls count each)."""
+  kernels = set(_record.kernel_names(hlo_text))
+  seen = set()
+  for line in hlo_text.splitlines():
+    m = _record.KERNEL_LINE.match(line)
+    if m and m.group(1) in kernels:
+      same = re.search(r'deduplicated_name="([^"]+)"', line)
+      seen.add(same.group(1) if same else m.group(1))
+  return len(seen)
+
+
 def custom_calls_by_target(hlo_text: str) -> dict[str, int]:
   """Custom calls of a compiled module by target, those inside fused computations included: the
   kernels (Pallas, Mosaic GPU, cuBLAS, ...) as the executable runs them, so a kernel XLA copied
@@ -835,6 +850,7 @@ def compile_step(run, batch, fv, name: str):
                  "kernels_by_part": kernels_by_part(hlo_text),
                  "custom_calls": custom_calls_by_target(hlo_text)}
   compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
+  compile_row["kernels_distinct"] = distinct_kernels(hlo_text)
   if compile_trace:
     compile_row["compile_events"] = compile_events(compile_trace)
   if profiler is not None:

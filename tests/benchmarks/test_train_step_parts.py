@@ -116,6 +116,49 @@ def test_kernels_by_part_counts_the_compiled_steps_fusions_by_scope():
   assert counts.get("kda", 0) >= 1 and counts.get("moe_gmm", 0) >= 1, counts
 
 
+def test_kernels_are_the_launched_fusions_and_calls_tuple_shaped_ones_included():
+  """`_record.kernel_names` on HLO in the form XLA:GPU prints it: a multi-output fusion and a
+  cuBLAS call (tuple shapes) are kernels; the instructions inside a fused computation (a nested
+  GEMM operand fusion, a kernel called by a dynamic-slice fusion) are part of their fusion's one
+  kernel; a while body's kernels count."""
+  from benchmarks import _record
+  excerpt = "\n".join([
+      "%fused_operand.1 (p0: f32[8]) -> bf16[8] {",
+      "  %c.1 = bf16[8]{0} convert(%p0)",
+      "}",
+      "%gemm_fusion.1_computation (p0: f32[8,8], p1: bf16[8,8]) -> bf16[8,8] {",
+      "  %op.1 = bf16[8,8]{1,0} fusion(%p0), kind=kCustom, calls=%fused_operand.1",
+      "  ROOT %d.1 = bf16[8,8]{1,0} dot(%op.1, %p1)",
+      "}",
+      "%dynamic-slice-fusion.1 (p0: bf16[4,8], p1: s32[]) -> bf16[8] {",
+      '  ROOT %k.2 = bf16[8]{0} custom-call(%p0), custom_call_target="mosaic_gpu_v2"',
+      "}",
+      "%body.1 (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+      "  %loop_add_fusion.1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add.1",
+      "}",
+      "ENTRY %main.1 (x: f32[8,8]) -> f32[8] {",
+      "  %input_reduce_fusion.1 = (f32[8]{0}, f32[8,8]{1,0}) fusion(%x), kind=kInput, "
+      "calls=%fused_reduce.1",
+      '  %cublas-lt-matmul.1 = (f32[8,8]{1,0}, s8[64]{0}) custom-call(%x, %x), '
+      'custom_call_target="__cublas$lt$matmul"',
+      "  %gemm_fusion.1 = bf16[8,8]{1,0} fusion(%x, %y), kind=kCustom, calls=%gemm_fusion.1_computation",
+      "  %dynamic-slice-fusion.1 = bf16[8]{0} fusion(%y, %i), kind=kCustom, "
+      "calls=%dynamic-slice-fusion.1",
+      "  ROOT %w.1 = (s32[], f32[8]) while(%t), condition=%cond.1, body=%body.1",
+      "}"])
+  assert _record.kernel_names(excerpt) == [
+      "loop_add_fusion.1", "input_reduce_fusion.1", "cublas-lt-matmul.1", "gemm_fusion.1",
+      "dynamic-slice-fusion.1"]
+  # Two more copies of the add fusion, which XLA marks as repeats of it: one kernel to generate.
+  repeats = excerpt.replace(
+      "  ROOT %w.1", "  %loop_add_fusion.2 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add.2, "
+      'metadata={deduplicated_name="loop_add_fusion.1"}\n'
+      "  %loop_add_fusion.3 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add.3, "
+      'metadata={op_name="a" deduplicated_name="loop_add_fusion.1"}\n  ROOT %w.1')
+  assert len(_record.kernel_names(repeats)) == 7
+  assert _script().distinct_kernels(repeats) == _script().distinct_kernels(excerpt) == 5
+
+
 def test_custom_calls_are_counted_by_target_inside_fusions_too():
   """`custom_calls`: a CPU compile with LAPACK custom calls counts each by its target, matching
   every custom-call instruction of the module; a call inside a fused computation counts as
