@@ -73,10 +73,13 @@ def missing_plugin() -> str | None:
           f"version: pip install \"jax-cuda12-plugin[with-cuda]=={version}\"")
 
 
-def devices(target: Target) -> list:
-  """Compile-only jax devices of one `target` GPU (arrays cannot live on them; jit lowers and
-  compiles for them). Call with `environment()` in effect before jax was imported."""
+def devices(target: Target, count: int = 1) -> list:
+  """Compile-only jax devices of `count` `target` GPUs on one host (arrays cannot live on them;
+  jit lowers and compiles for them, collectives included). Call with `environment()` in effect
+  before jax was imported."""
+  if count < 1:
+    raise ValueError(f"a GPU target needs at least one device, got {count}")
   from jax.experimental import topologies
-  topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+  topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
                                           target_config=target.config_text)
   return list(topology.devices)

@@ -79,8 +79,9 @@ shows the GPU program's kernels and its host-side compile cost (`trace_s + lower
 `--compile_for=h200` goes on to compile the lowered step with XLA's GPU compiler for that GPU, on
 any machine (benchmarks/gpu_target.py: the CUDA plugin against a described device, compile-only
 devices; needs `jax-cuda12-plugin[with-cuda]` at jax's version, no GPU): the row has the compile
-fields, `kernels` and the memory fields of `--compile_only`, and `--memory_report` and
-`--compile_profile` work with it. Nothing can be timed there, so XLA skips autotuning: GEMM and
+fields, `kernels` and the memory fields of `--compile_only`, and `collectives` (the compiled
+cross-device ops by kind); `--target_devices=N` compiles for N such GPUs on one host, the
+config's mesh spread over them; `--memory_report` and `--compile_profile` work with it. Nothing can be timed there, so XLA skips autotuning: GEMM and
 Triton fusions take its default configurations, and `backend_compile_s` lacks autotuning's share
 (15–19 s of the k3_h200 step's compile on an H200 host) but is otherwise this host's compile.
 
@@ -157,6 +158,8 @@ def define(fv: flags.FlagValues) -> None:
   flags.DEFINE_enum("compile_for", "", ["", *gpu_target.TARGETS], "lower and compile the step for this GPU "
                     "on this machine, which needs no GPU (benchmarks/gpu_target.py; no autotuning) "
                     "and report compile time, kernels and memory", flag_values=fv)
+  flags.DEFINE_integer("target_devices", 1, "--compile_for: how many of those GPUs, on one "
+                       "host (the config's mesh spans them)", lower_bound=1, flag_values=fv)
   flags.DEFINE_bool("compile_profile", False, "trace the host while the step compiles and report "
                     "XLA's compile phases (compile_events)", flag_values=fv)
 
@@ -505,6 +508,19 @@ def kernels_by_part(hlo_text: str) -> dict[str, int]:
   for name in _record.kernel_names(hlo_text):
     counts[classify(where.get(name, ""))] += 1
   return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+# Cross-device ops of compiled HLO, by the name XLA prints (an async pair counts once, by its start).
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+
+
+def collectives_by_kind(hlo_text: str) -> dict[str, int]:
+  """The compiled module's collectives counted by kind ("all-gather", …), those inside loops
+  counted once: which exchanges a parallel layout compiles to."""
+  kinds = "|".join(re.escape(k) for k in sorted(COLLECTIVES, key=len, reverse=True))
+  found = re.findall(rf"=\s*(?:\(.*?\)|\S+)\s+({kinds})(?:-start)?\(", hlo_text)
+  return dict(collections.Counter(found).most_common())
 
 
 def distinct_kernels(hlo_text: str) -> int:
@@ -870,7 +886,7 @@ def compiled_for_row(cfg, fv, name: str, xla_dump: str = "") -> dict:
   from pallas_kernels import platform
   t = cfg.train
   target = gpu_target.load(fv.compile_for)
-  devices = gpu_target.devices(target)
+  devices = gpu_target.devices(target, fv.target_devices)
   data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
                                      process_index=0, process_count=1)
   with platform.targeting("gpu", sm_count=target.sm_count):
@@ -880,8 +896,10 @@ def compiled_for_row(cfg, fv, name: str, xla_dump: str = "") -> dict:
              for k, v in next(data).items()}
     lowered, compiled, compile_s, compile_row = compile_step(run, batch, fv, name)
   row = {"name": name, "compiled_for": f"{target.name} ({target.description}), no autotuning",
+         "target_devices": len(devices), "mesh": dict(run.layout.mesh.shape),
          "tokens_per_step": t.global_batch_size * cfg.data.seq_len,
          "compile_s": round(compile_s, 1), **compile_row,
+         "collectives": collectives_by_kind(compiled.as_text() or ""),
          **memory_row(compiled, cfg, len(devices))}
   if xla_dump:
     row.update(memory_report(xla_dump, compiled.as_text() or ""))
@@ -1035,9 +1053,14 @@ def main(argv=None) -> int:
     problem = gpu_target.missing_plugin()
     if fv.lower_for:
       problem = "--compile_for and --lower_for exclude each other (--compile_for also lowers)"
-    if problem:
-      cli.error(PROG, problem)
-      return cli.USAGE_ERROR
+  elif fv.target_devices != 1:
+    problem = "--target_devices is the number of --compile_for GPUs; give --compile_for too"
+  else:
+    problem = None
+  if problem:
+    cli.error(PROG, problem)
+    return cli.USAGE_ERROR
+  if fv.compile_for:
     os.environ.update(gpu_target.environment())
     import jax
     jax.config.update("jax_platforms", "cpu")   # the runtime: nothing runs on the target

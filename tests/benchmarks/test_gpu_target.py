@@ -57,3 +57,10 @@ def test_compile_for_refuses_without_the_plugin_and_beside_lower_for(monkeypatch
   monkeypatch.setattr(gpu_target, "missing_plugin", lambda: None)
   assert train_step.main(argv + ["--lower_for=gpu"]) == cli.USAGE_ERROR
   assert "--compile_for and --lower_for exclude each other" in capsys.readouterr().err
+  assert train_step.main(argv[:2] + ["--target_devices=2"]) == cli.USAGE_ERROR
+  assert "--target_devices is the number of --compile_for GPUs" in capsys.readouterr().err
+
+
+def test_a_target_has_at_least_one_device():
+  with pytest.raises(ValueError, match="at least one device, got 0"):
+    gpu_target.devices(gpu_target.load("h200"), 0)

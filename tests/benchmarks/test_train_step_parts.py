@@ -349,3 +349,21 @@ def test_a_later_variant_with_an_autotuning_option_is_flagged():
   assert "autotuning" in caveat(1, options)
   assert caveat(2, {"train.xla_options": "xla_gpu_enable_triton_gemm=false"}) is None
   assert caveat(1, {"model.dtype": "float32"}) is None
+
+
+def test_collectives_are_counted_by_kind_async_pairs_once():
+  """`collectives_by_kind` on HLO in the form XLA:GPU prints it: an async all-gather (start and
+  done) counts once, tuple-shaped and plain collectives by their kind, a fusion named after one
+  not at all."""
+  excerpt = "\n".join([
+      "  %all-gather-start = (bf16[8]{0}, bf16[64]{0}) all-gather-start(%p), dimensions={0}",
+      "  %all-gather-done = bf16[64]{0} all-gather-done(%all-gather-start)",
+      "  %all-reduce.1 = f32[8]{0} all-reduce(%g), to_apply=%add",
+      "  %reduce-scatter.2 = f32[1]{0} reduce-scatter(%g), dimensions={0}, to_apply=%add",
+      "  %ragged-all-to-all.3 = bf16[64,8]{1,0} ragged-all-to-all(%a, %b, %c, %d, %e, %f)",
+      "  %all-to-all.4 = (f32[4]{0}, f32[4]{0}) all-to-all(%x, %y)",
+      "  %all-reduce.5 = f32[] all-reduce(%s), to_apply=%add",
+      "  %all_reduce_fusion = f32[8]{0} fusion(%x), kind=kLoop, calls=%f"])
+  assert _script().collectives_by_kind(excerpt) == {
+      "all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "ragged-all-to-all": 1,
+      "all-to-all": 1}
