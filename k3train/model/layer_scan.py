@@ -39,6 +39,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from k3train.parallel import rules
 from pallas_kernels import platform
 
 # Where a residual of one iteration's vjp comes from.
@@ -217,12 +218,15 @@ def _unread_buffers(avals, length: int) -> list[jax.Array]:
   its stacked outputs instead; XLA merges equal fills into one buffer and copies it once per
   output, and XLA's fill kernels write bf16 at a fifth of the memory bandwidth: leaving them
   unwritten took 22 ms off a k3_h200 step (benchmarks/train_step.md). Each allocation carries its
-  own tag, so that XLA does not merge them into one buffer to copy. Elsewhere (CPU, TPU, or
-  more than one device, where the partitioner would give an unknown custom call the global
-  shape) the buffers are zeros, as in `jax.lax.scan`.
+  own tag, so that XLA does not merge them into one buffer to copy. Elsewhere (CPU, TPU, or a
+  step over more than one device, where the partitioner would give an unknown custom call the
+  global shape: every device would hold the whole batch's buffer) the buffers are zeros, as in
+  `jax.lax.scan`. The devices are the active layout's mesh (`rules.activate`), else all of jax's.
   """
   shapes = [jax.ShapeDtypeStruct((length, *a.shape), a.dtype) for a in avals]
-  if platform.current() == "gpu" and jax.device_count() == 1:
+  mesh_size = rules.active_mesh_size()
+  one_device = (mesh_size if mesh_size is not None else jax.device_count()) == 1
+  if platform.current() == "gpu" and one_device:
     return [_allocate(shape) for shape in shapes]
   return [jnp.zeros(shape.shape, shape.dtype) for shape in shapes]
 

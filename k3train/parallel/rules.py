@@ -151,6 +151,12 @@ def active() -> tuple[Mesh, Rules] | None:
   return layout
 
 
+def active_mesh_size() -> int | None:
+  """Devices of the enclosing `activate` block's mesh (1 included); None outside any block."""
+  layout = _ACTIVE.get()
+  return None if layout is None else int(layout[0].size)
+
+
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
   """with_sharding_constraint through logical names under the active layout (no-op without one).
 

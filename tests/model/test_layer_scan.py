@@ -102,6 +102,26 @@ def test_stacked_buffers_on_one_gpu_are_unwritten_allocations_each_its_own(monke
   assert zeros[0].shape == (L, 4, 8) and not bool(jnp.any(zeros[0]))       # CPU: zeros
 
 
+def test_stacked_buffers_of_a_step_over_several_gpus_are_zeros():
+  """A step whose layout spans several GPUs gets zero-filled stacked buffers, whatever this
+  process's device count (the partitioner would give an unwritten allocation the global shape
+  on every device); a layout of one GPU gets unwritten ones."""
+  from jax.sharding import AbstractMesh
+  from k3train.parallel import rules
+  shape = [jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)]
+  make = lambda: jax.make_jaxpr(lambda: layer_scan._unread_buffers(shape, L))()
+  calls = lambda jaxpr: sum(e.primitive.name == "ffi_call" for e in jaxpr.jaxpr.eqns)
+  table = rules.get_rules("default")
+  with platform.targeting("gpu"):
+    for devices, allocations in ((8, 0), (1, 1)):
+      mesh = AbstractMesh((devices,), ("data",))
+      with rules.activate(mesh, table):
+        jaxpr = make()
+      assert calls(jaxpr) == allocations, (devices, jaxpr)
+      if not allocations:
+        assert any(e.primitive.name == "broadcast_in_dim" for e in jaxpr.jaxpr.eqns), jaxpr
+
+
 def _doubled(x):
   """2x through a Pallas kernel (interpreted off the GPU): a custom call in the compiled step."""
   def kernel(x_ref, o_ref):
