@@ -326,8 +326,8 @@ def spike_guard(loss, loss_ema, *, factor: float, decay: float):
 NONFINITE_GROUPS = ((1, "grad_norm"), (2, "params"), (4, "opt_state"), (8, "model state (rest)"))
 # The state fields the step itself checks: everything but the parameters and the optimizer state.
 # Those two are ~750 leaves at k3_h200; a check of each in the step is a reduction kernel per leaf
-# fused into the update, which cost ~540 of the compiled step's ~3,200 kernels and ~13 s of its
-# compile (benchmarks/train_step.md). The train loop checks them in full with `state_nonfinite`
+# fused into the update, which cost ~675 of the compiled step's ~4,100 kernels and ~14 s of its
+# compile for the GPU (benchmarks/train_step.md). The train loop checks them in full with `state_nonfinite`
 # before every checkpoint save; between saves a non-finite parameter shows in the next loss.
 STEP_CHECKED_FIELDS = ("step", "rest", "loss_ema", "skipped")
 
