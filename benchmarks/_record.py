@@ -84,11 +84,11 @@ COMPUTATION_LINE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 FUSION_CALLS = re.compile(r"\bfusion\(.*?\bcalls=%?([\w.\-]+)")
 
 
-def kernel_names(hlo_text: str) -> list[str]:
-  """Names of the kernels a compiled module launches: its fusions and custom calls, outside
-  fused computations (what a fusion holds is part of its one kernel)."""
+def kernel_lines(hlo_text: str) -> list[tuple[str, str]]:
+  """(name, line) of each kernel a compiled module launches: its fusions and custom calls,
+  outside fused computations (what a fusion holds is part of its one kernel)."""
   fused = set(FUSION_CALLS.findall(hlo_text))
-  names, inside_fusion = [], False
+  kernels, inside_fusion = [], False
   for line in hlo_text.splitlines():
     head = COMPUTATION_LINE.match(line)
     if head:
@@ -96,5 +96,10 @@ def kernel_names(hlo_text: str) -> list[str]:
       continue
     m = None if inside_fusion else KERNEL_LINE.match(line)
     if m:
-      names.append(m.group(1))
-  return names
+      kernels.append((m.group(1), line))
+  return kernels
+
+
+def kernel_names(hlo_text: str) -> list[str]:
+  """Names of the kernels a compiled module launches (`kernel_lines`)."""
+  return [name for name, _ in kernel_lines(hlo_text)]

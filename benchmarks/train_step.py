@@ -524,16 +524,13 @@ def collectives_by_kind(hlo_text: str) -> dict[str, int]:
 
 
 def distinct_kernels(hlo_text: str) -> int:
-  """How many of the compiled module's kernels (`_record.kernel_names`) differ: XLA emits the code
+  """How many of the compiled module's kernels (`_record.kernel_lines`) differ: XLA emits the code
   of identical fusions once and marks the repeats with `deduplicated_name`, so this is the
   number of kernels the backend generates code for (custom calls count each)."""
-  kernels = set(_record.kernel_names(hlo_text))
   seen = set()
-  for line in hlo_text.splitlines():
-    m = _record.KERNEL_LINE.match(line)
-    if m and m.group(1) in kernels:
-      same = re.search(r'deduplicated_name="([^"]+)"', line)
-      seen.add(same.group(1) if same else m.group(1))
+  for name, line in _record.kernel_lines(hlo_text):
+    same = re.search(r'deduplicated_name="([^"]+)"', line)
+    seen.add(same.group(1) if same else name)
   return len(seen)
 
 
@@ -794,14 +791,20 @@ def dots_by_dtypes(stablehlo_text: str) -> dict[str, int]:
   return dict(collections.Counter(f"{a},{b}->{o}" for a, b, o in kinds).most_common())
 
 
+def text_batches(cfg):
+  """The config's own text pipeline, one process's view, batches of train.global_batch_size."""
+  from k3train.data import pipeline
+  t = cfg.train
+  return pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
+                                     process_index=0, process_count=1)
+
+
 def lowered_row(cfg, name: str, target: str, profile: bool = False) -> dict:
   """`--lower_for`: the step traced and lowered for `target` on this machine, not compiled; with
   `profile` (`--lower_profile`) under cProfile, reported as `lower_profile`."""
-  from k3train.data import pipeline
   from pallas_kernels import platform
   t = cfg.train
-  data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
-                                     process_index=0, process_count=1)
+  data = text_batches(cfg)
   with platform.targeting(target):
     run = abstract_run(cfg)
     batch = run.layout.global_batch(next(data))
@@ -832,7 +835,8 @@ def lowered_row(cfg, name: str, target: str, profile: bool = False) -> dict:
 
 
 def compile_step(run, batch, fv, name: str):
-  """(lowered, compiled, compile seconds, the row's compile fields) of `run.step` on `batch`
+  """(lowered, compiled, its HLO text, compile seconds, the row's compile fields) of `run.step` on
+  `batch`
   (arrays or ShapeDtypeStructs with shardings); "<name>: compiled in …" goes to stderr at once,
   so a run stopped later still says how long it compiled."""
   import jax
@@ -864,7 +868,8 @@ def compile_step(run, batch, fv, name: str):
                      k.rsplit("/", 1)[-1]: round(v - events_before.get(k, 0.0), 1)
                      for k, v in _jax_event_seconds().items() if k.startswith("/jax/core/compile/")},
                  "kernels_by_part": kernels_by_part(hlo_text),
-                 "custom_calls": custom_calls_by_target(hlo_text)}
+                 "custom_calls": custom_calls_by_target(hlo_text),
+                 "collectives": collectives_by_kind(hlo_text)}
   compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
   compile_row["kernels_distinct"] = distinct_kernels(hlo_text)
   if compile_trace:
@@ -874,7 +879,20 @@ def compile_step(run, batch, fv, name: str):
   print(f"{name}: compiled in {compile_s:.1f} s (trace + lower {compile_row['trace_lower_s']} s, "
         f"XLA {compile_row['backend_compile_s']} s), {compile_row['kernels']} kernels",
         file=sys.stderr, flush=True)
-  return lowered, compiled, compile_s, compile_row
+  return lowered, compiled, hlo_text, compile_s, compile_row
+
+
+def compiled_row(cfg, name: str, compiled, hlo_text: str, compile_s: float, compile_row: dict,
+                 device_count: int, xla_dump: str = "", **head) -> dict:
+  """The row of a step compiled and not run (`--compile_only`, `--compile_for`): `head`, then
+  the compile fields, the memory fields and, with `xla_dump`, the buffers at XLA's peak."""
+  t = cfg.train
+  row = {"name": name, **head, "tokens_per_step": t.global_batch_size * cfg.data.seq_len,
+         "compile_s": round(compile_s, 1), **compile_row,
+         **memory_row(compiled, cfg, device_count)}
+  if xla_dump:
+    row.update(memory_report(xla_dump, hlo_text))
+  return row
 
 
 def compiled_for_row(cfg, fv, name: str, xla_dump: str = "") -> dict:
@@ -882,29 +900,18 @@ def compiled_for_row(cfg, fv, name: str, xla_dump: str = "") -> dict:
   (benchmarks/gpu_target.py), the state and batch as shapes; the compile and memory fields."""
   import jax
   import numpy as np
-  from k3train.data import pipeline
   from pallas_kernels import platform
-  t = cfg.train
   target = gpu_target.load(fv.compile_for)
   devices = gpu_target.devices(target, fv.target_devices)
-  data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
-                                     process_index=0, process_count=1)
   with platform.targeting("gpu", sm_count=target.sm_count):
     run = abstract_run(cfg, devices)
     batch = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype,
                                      sharding=run.layout.sharding_for(k))
-             for k, v in next(data).items()}
-    lowered, compiled, compile_s, compile_row = compile_step(run, batch, fv, name)
-  row = {"name": name, "compiled_for": f"{target.name} ({target.description}), no autotuning",
-         "target_devices": len(devices), "mesh": dict(run.layout.mesh.shape),
-         "tokens_per_step": t.global_batch_size * cfg.data.seq_len,
-         "compile_s": round(compile_s, 1), **compile_row,
-         "collectives": collectives_by_kind(compiled.as_text() or ""),
-         **memory_row(compiled, cfg, len(devices))}
-  if xla_dump:
-    row.update(memory_report(xla_dump, compiled.as_text() or ""))
-  del compiled, lowered, run
-  return row
+             for k, v in next(text_batches(cfg)).items()}
+    _, compiled, hlo_text, compile_s, compile_row = compile_step(run, batch, fv, name)
+  return compiled_row(cfg, name, compiled, hlo_text, compile_s, compile_row, len(devices),
+                      xla_dump, compiled_for=f"{target.name} ({target.description}), no autotuning",
+                      target_devices=len(devices), mesh=dict(run.layout.mesh.shape))
 
 
 def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
@@ -915,13 +922,11 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
     return compiled_for_row(cfg, fv, name, xla_dump)
   import jax
   import numpy as np
-  from k3train.data import pipeline
   from k3train.train import builder
   from k3train.train import metrics as metrics_lib
 
   t = cfg.train
-  data = pipeline.make_text_iterator(cfg.data, batch_size=t.global_batch_size, seed=t.seed,
-                                     process_index=0, process_count=1)
+  data = text_batches(cfg)
   if fv.compile_only:
     # The state as shapes with their shardings: nothing initialised, nothing allocated but the
     # batch; the step lowers and compiles exactly as for the concrete state.
@@ -935,14 +940,10 @@ def measure(cfg, fv, name: str, xla_dump: str = "") -> dict:
   # Compiled once, ahead of time, on the first batch: the executable is the one timed, profiled
   # and whose memory analysis is read (it keeps the jitted step's shardings and state donation).
   batch = run.layout.global_batch(next(data))
-  lowered, compiled, compile_s, compile_row = compile_step(run, batch, fv, name)
-  hlo_text = compiled.as_text() or ""
+  lowered, compiled, hlo_text, compile_s, compile_row = compile_step(run, batch, fv, name)
   if fv.compile_only:
-    row = {"name": name, "compile_only": True, "tokens_per_step": t.global_batch_size * cfg.data.seq_len,
-           "compile_s": round(compile_s, 1), **compile_row,
-           **memory_row(compiled, cfg, jax.device_count())}
-    if xla_dump:
-      row.update(memory_report(xla_dump, hlo_text))
+    row = compiled_row(cfg, name, compiled, hlo_text, compile_s, compile_row, jax.device_count(),
+                       xla_dump, compile_only=True)
     del compiled, lowered, run
     return row
 

@@ -442,6 +442,10 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
   window = {"steps": 0, "seconds": 0.0, "tokens": 0.0}   # since the last progress line
   carried = {}    # timings of work between two steps, reported in the next step's row
 
+  def leaf_names() -> list[str]:
+    """The state's leaf names, in `jax.tree.leaves` order (for naming a non-finite leaf)."""
+    return list(flatten_state(state))
+
   def record(step: int, device_metrics, moe_load, data_row: dict, timings: dict,
              check_state: bool = False) -> None:
     """Reads one finished step's metrics (one step late), checks them, writes and logs them.
@@ -452,7 +456,7 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
     seconds = meter.lap()
     if check_state:
       _merge_state_flags(host, check_whole_state())
-    _check_finite(step, host, lambda: list(flatten_state(state)))
+    _check_finite(step, host, leaf_names)
     host.update(data_row)
     host["lr"] = learning_rate(step - 1 - updates_skipped)
     updates_skipped += int(host.get("skipped_update", 0) > 0)
@@ -575,7 +579,7 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
         record(*pending, check_state=True)   # never checkpoint a non-finite state
         pending = None
       else:
-        _check_finite(step, check_whole_state(), lambda: list(flatten_state(state)))
+        _check_finite(step, check_whole_state(), leaf_names)
       seconds = save(step)
       carried["checkpoint_save_s"] = carried.get("checkpoint_save_s", 0.0) + seconds
       meter.exclude(seconds)
@@ -583,7 +587,7 @@ def _train_stage(stage: config_lib.Stage, run_stages, start: int, end: int, ckpt
   if pending is not None:
     record(*pending, check_state=step != last_saved)
   elif step != last_saved:
-    _check_finite(step, check_whole_state(), lambda: list(flatten_state(state)))
+    _check_finite(step, check_whole_state(), leaf_names)
   if step != last_saved:
     save(step, force=True)
   fh.flush()
