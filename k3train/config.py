@@ -32,10 +32,12 @@ class ConfigError(ValueError):
 
 # "none", "full", or the name of a jax.checkpoint_policies policy.
 REMAT_POLICIES = ("none", "full", "selective", "dots_saveable", "dots_with_no_batch_dims_saveable")
+REMAT_KEEP_NAMES = ("moe_expert_hidden", "attnres_mix")   # k3train/model/remat.py OPTIONAL_NAMES
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 MUON_NS_DTYPES = ("bfloat16", "float32")
+ADAM_MU_DTYPES = ("float32", "bfloat16")
 PARALLEL_RULES = ("default", "long_context", "full")   # k3train/parallel/rules.py RECIPES
 EXPERT_EXCHANGES = ("auto", "all_to_all", "ragged")
 KDA_BACKENDS = kda_op.BACKENDS
@@ -152,6 +154,11 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}, got {m.param_dtype!r}")
   _require(m.remat_policy in REMAT_POLICIES, "model.remat_policy",
            f"must be one of {REMAT_POLICIES}, got {m.remat_policy!r}")
+  unknown_keep = sorted(set(m.remat_keep) - set(REMAT_KEEP_NAMES))
+  _require(not unknown_keep, "model.remat_keep",
+           f"unknown names {unknown_keep}; must be among {REMAT_KEEP_NAMES}")
+  _require(not m.remat_keep or m.remat_policy == "selective", "model.remat_keep",
+           f"adds names to remat_policy 'selective', got remat_policy {m.remat_policy!r}")
   _require(m.norm_eps > 0, "model.norm_eps", "must be > 0")
 
   layers = tuple(m.mla_layers)
@@ -227,6 +234,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
   _require(o.grad_clip_norm >= 0, "optim.grad_clip_norm", "must be >= 0 (0 turns clipping off)")
   _require(0 <= o.adam_b1 < 1 and 0 <= o.adam_b2 < 1, "optim.adam_b1/adam_b2", "must lie in [0, 1)")
+  _require(o.adam_mu_dtype in ADAM_MU_DTYPES, "optim.adam_mu_dtype",
+           f"must be one of {ADAM_MU_DTYPES}, got {o.adam_mu_dtype!r}")
   _require(0 <= o.muon_momentum < 1, "optim.muon_momentum", "must lie in [0, 1)")
   _require(o.muon_ns_dtype in MUON_NS_DTYPES, "optim.muon_ns_dtype",
            f"must be one of {MUON_NS_DTYPES}, got {o.muon_ns_dtype!r}")

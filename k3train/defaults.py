@@ -27,6 +27,7 @@ def k3_full() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"
   m.scan_layers = True
   m.remat_policy = "full"         # none | full | selective | dots_saveable | dots_with_no_batch_dims_saveable (model/remat.py)
+  m.remat_keep = ()               # names `selective` keeps besides its own: moe_expert_hidden, attnres_mix
 
   k = m.kda = ml_collections.ConfigDict()
   k.num_heads = 96
@@ -174,6 +175,7 @@ def k3_full() -> ml_collections.ConfigDict:
   o.adam_b1 = 0.9
   o.adam_b2 = 0.95
   o.adam_eps = 1e-8
+  o.adam_mu_dtype = "float32"      # AdamW first moment: float32 | bfloat16 (half its bytes; the second stays fp32)
   o.muon_momentum = 0.95
   o.muon_update_rms = 0.2
   o.muon_ns_dtype = "bfloat16"     # Newton–Schulz matmul operands: bfloat16 | float32 (fp32 accumulation)

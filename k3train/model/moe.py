@@ -342,7 +342,8 @@ class RoutedExperts(nnx.Module):
       mm = lambda a, w: self._mx_gmm(a, w, group_sizes_e, *quant)
     gate_mf = remat.tag(mm(x_ml, gate_elf), remat.EXPERT_MLP)
     up_mf = remat.tag(mm(x_ml, up_elf), remat.EXPERT_MLP)
-    h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta, row_weights_m)
+    h_mf = remat.tag(situ_glu(gate_mf, up_mf, self.beta, self.linear_beta, row_weights_m),
+                     remat.EXPERT_HIDDEN)
     return mm(h_mf, down_efl)
 
   def _mx_gmm(self, a_mk, w_ekn, group_sizes_e, q: ExpertQuant, weights_quantized: bool):

@@ -457,6 +457,7 @@ def muon_matrices(learning_rate: float | optax.Schedule, *, weight_decay: float,
 def make_muon_optimizer(*, learning_rate: float | optax.Schedule, params_like, weight_decay: float = 0.1,
                         momentum: float = 0.95, rms_scale: float = 0.2, adam_b1: float = 0.9,
                         adam_b2: float = 0.95, adam_eps: float = 1e-8,
+                        adam_mu_dtype: str = "float32",
                         grad_clip_norm: float | None = None,
                         gather_matrices: bool = True,
                         ns_dtype: str = "bfloat16") -> optax.GradientTransformation:
@@ -467,7 +468,8 @@ def make_muon_optimizer(*, learning_rate: float | optax.Schedule, params_like, w
   groups themselves are recomputed from paths on every call, so the optimizer works on any tree
   with the same paths (nnx.State of nnx.Param or plain dicts). `grad_clip_norm` None or 0: off.
   `ns_dtype` is the Newton–Schulz matmul operand dtype ("bfloat16" | "float32"; float32
-  accumulation either way).
+  accumulation either way). `adam_mu_dtype` stores the AdamW leaves' first moment ("float32" |
+  "bfloat16").
   """
   unknown = fallback_paths(params_like)
   if unknown:
@@ -478,7 +480,8 @@ def make_muon_optimizer(*, learning_rate: float | optax.Schedule, params_like, w
   if gather_matrices:
     muon = gather_for_newton_schulz(muon, params_like)
   adamw = optax.adamw(learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps,
-                      weight_decay=weight_decay, mask=_decay_mask)
+                      mu_dtype=jnp.dtype(adam_mu_dtype), weight_decay=weight_decay,
+                      mask=_decay_mask)
   partitioned = optax.partition({_MUON: muon, _ADAMW: adamw}, _labels)
   tx = split_last_axis(partitioned, kv_b_block_sizes(params_like))
   if grad_clip_norm:

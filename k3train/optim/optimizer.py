@@ -7,6 +7,7 @@ The schedule reads optax's own step counter, so a restored optimizer state resum
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -75,10 +76,12 @@ def _base_optimizer(cfg: ml_collections.ConfigDict, params_like) -> optax.Gradie
     return make_muon_optimizer(
         learning_rate=schedule, params_like=params_like, weight_decay=o.weight_decay,
         momentum=o.muon_momentum, rms_scale=o.muon_update_rms, adam_b1=o.adam_b1, adam_b2=o.adam_b2,
-        adam_eps=o.adam_eps, grad_clip_norm=o.grad_clip_norm, ns_dtype=o.muon_ns_dtype)
+        adam_eps=o.adam_eps, adam_mu_dtype=o.adam_mu_dtype, grad_clip_norm=o.grad_clip_norm,
+        ns_dtype=o.muon_ns_dtype)
   clip = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
   return optax.chain(
       *clip,
-      optax.adamw(schedule, b1=o.adam_b1, b2=o.adam_b2,
-                  eps=o.adam_eps, weight_decay=o.weight_decay, mask=decay_mask),
+      optax.adamw(schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
+                  mu_dtype=jnp.dtype(o.adam_mu_dtype), weight_decay=o.weight_decay,
+                  mask=decay_mask),
   )
