@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 # "none", "full", or the name of a jax.checkpoint_policies policy.
 REMAT_POLICIES = ("none", "full", "selective", "dots_saveable", "dots_with_no_batch_dims_saveable")
-REMAT_KEEP_NAMES = ("moe_expert_hidden", "attnres_mix")   # k3train/model/remat.py OPTIONAL_NAMES
+REMAT_KEEP_NAMES = ("moe_expert_input", "moe_expert_hidden", "attnres_mix")   # k3train/model/remat.py OPTIONAL_NAMES
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")

@@ -335,7 +335,7 @@ class RoutedExperts(nnx.Module):
 
   def _mlp(self, x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl, row_weights_m=None, *,
            quant=None):
-    x_ml = x_sorted_ml.astype(self.dtype)
+    x_ml = remat.tag(x_sorted_ml.astype(self.dtype), remat.EXPERT_INPUT)
     if quant is None:
       mm = lambda a, w: moe_ops.gmm(a, w.astype(self.dtype), group_sizes_e, backend=self.backend)
     else:

@@ -26,6 +26,9 @@
 
 `model.remat_keep` adds names to `selective` for a device with memory to spare, each trading
 bytes for a recomputation:
+  moe_expert_input    the expert-sorted rows [rows, ℓ] the gate/up grouped matmuls read: the
+                      backward does not gather them from the tokens again for the weight
+                      gradients;
   moe_expert_hidden   the SiTU-GLU output [rows, F] (routing weight folded in), the down
                       grouped matmul's input: the backward neither recomputes the activation
                       nor writes it again;
@@ -49,9 +52,10 @@ KDA_CONV = "kda_conv"
 ATTENTION = attention_vjp.RESIDUAL_NAME
 ATTNRES_STATS = attnres_vjp.STATS_NAME
 SELECTIVE_NAMES = (ROUTING, EXPERT_MLP, KDA_CONV, ATTENTION, ATTNRES_STATS)
+EXPERT_INPUT = "moe_expert_input"
 EXPERT_HIDDEN = "moe_expert_hidden"
 ATTNRES_MIX = "attnres_mix"
-OPTIONAL_NAMES = (EXPERT_HIDDEN, ATTNRES_MIX)      # config.REMAT_KEEP_NAMES
+OPTIONAL_NAMES = (EXPERT_INPUT, EXPERT_HIDDEN, ATTNRES_MIX)      # config.REMAT_KEEP_NAMES
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:

@@ -148,7 +148,8 @@ def test_remat_changes_neither_loss_nor_gradients():
   _assert_same_loss_and_grads(reference,
                               _three_layer_loss_and_grads((40, 24), remat_policy="selective"))
   _assert_same_loss_and_grads(reference, _three_layer_loss_and_grads(
-      (40, 24), remat_policy="selective", remat_keep=("moe_expert_hidden", "attnres_mix")))
+      (40, 24), remat_policy="selective",
+      remat_keep=("moe_expert_input", "moe_expert_hidden", "attnres_mix")))
 
 
 def _primitive_counts(remat_policy: str) -> collections.Counter:
@@ -196,20 +197,23 @@ def _named_residuals(remat_keep) -> collections.Counter:
                              for aval, why in saved if "named '" in why)
 
 
-def test_remat_keep_adds_the_expert_hidden_and_the_mix_outputs():
-  # model.remat_keep adds named values to "selective": the routed experts' SiTU-GLU output
-  # [rows = tokens × top-k, F] of the MoE layer and each rematerialised AttnRes site's output
-  # [B, T, d]; everything "selective" keeps by itself stays kept.
+def test_remat_keep_adds_the_expert_rows_and_the_mix_outputs():
+  # model.remat_keep adds named values to "selective": the routed experts' sorted input rows
+  # [rows = tokens × top-k, ℓ] and SiTU-GLU output [rows, F] of the MoE layer and each
+  # rematerialised AttnRes site's output [B, T, d]; what "selective" keeps by itself stays kept.
   cfg = k3_tiny.get_config()
-  rows, hidden = 128 * cfg.model.moe.top_k, cfg.model.moe.expert_hidden
+  m = cfg.model
+  rows = 128 * m.moe.top_k
   base = _named_residuals(())
-  keep = _named_residuals(("moe_expert_hidden", "attnres_mix"))
+  keep = _named_residuals(("moe_expert_input", "moe_expert_hidden", "attnres_mix"))
   added = keep - base
   assert base - keep == collections.Counter()
-  assert added[("moe_expert_hidden", (rows, hidden))] == 1
-  assert added[("attnres_mix", (2, 64, cfg.model.d_model))] >= 4     # both sites of ≥ 2 layers
-  assert set(added) == {("moe_expert_hidden", (rows, hidden)),
-                        ("attnres_mix", (2, 64, cfg.model.d_model))}
+  assert added[("moe_expert_input", (rows, m.moe.latent_dim))] == 1
+  assert added[("moe_expert_hidden", (rows, m.moe.expert_hidden))] == 1
+  assert added[("attnres_mix", (2, 64, m.d_model))] >= 4     # both sites of ≥ 2 layers
+  assert set(added) == {("moe_expert_input", (rows, m.moe.latent_dim)),
+                        ("moe_expert_hidden", (rows, m.moe.expert_hidden)),
+                        ("attnres_mix", (2, 64, m.d_model))}
 
 
 def test_remat_keep_needs_known_names_and_the_selective_policy():

@@ -67,8 +67,9 @@ Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 la
                   top-k expert indices (int32), the expert gate/up gmm outputs and the combined
                   latent, the KDA conv
                   outputs of q, k, v, the attention output with its fp32 log-sum-exp and the
-                  AttnRes statistics; `model.remat_keep` adds the expert SiTU-GLU output
-                  (moe_expert_hidden) and each AttnRes site's output [n, d] (attnres_mix).
+                  AttnRes statistics; `model.remat_keep` adds the expert gmm input rows
+                  (moe_expert_input), their SiTU-GLU output (moe_expert_hidden) and each AttnRes
+                  site's output [n, d] (attnres_mix).
   none            every layer's residuals.
 
 The MTP block is planned like one more unscanned layer under each policy: full recomputes its
@@ -281,7 +282,8 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   c.add(f"moe: expert rows (ep·n·k = {rows:,}) gmm input, gate/up/hidden, combine",
         saved=rows * (lat + 3 * fl) * A + n * topk * lat * A,
         transient=3 * rows * lat * A,
-        kept=(3 if "moe_expert_hidden" in keep else 2) * rows * fl * A)
+        kept=((3 if "moe_expert_hidden" in keep else 2) * rows * fl * A
+              + (rows * lat * A if "moe_expert_input" in keep else 0)))
   out["moe"] = c
   # QB finds its quantile by radix selection over per-expert counts: each device compares only
   # its own n tokens' [n, E] fp32 margins (and their uint32 keys) with a few candidates per
