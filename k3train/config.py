@@ -32,7 +32,6 @@ class ConfigError(ValueError):
 
 # "none", "full", or the name of a jax.checkpoint_policies policy.
 REMAT_POLICIES = ("none", "full", "selective", "dots_saveable", "dots_with_no_batch_dims_saveable")
-REMAT_KEEP_NAMES = ("moe_expert_input", "moe_expert_hidden", "attnres_mix")   # k3train/model/remat.py OPTIONAL_NAMES
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
@@ -154,11 +153,6 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}, got {m.param_dtype!r}")
   _require(m.remat_policy in REMAT_POLICIES, "model.remat_policy",
            f"must be one of {REMAT_POLICIES}, got {m.remat_policy!r}")
-  unknown_keep = sorted(set(m.remat_keep) - set(REMAT_KEEP_NAMES))
-  _require(not unknown_keep, "model.remat_keep",
-           f"unknown names {unknown_keep}; must be among {REMAT_KEEP_NAMES}")
-  _require(not m.remat_keep or m.remat_policy == "selective", "model.remat_keep",
-           f"adds names to remat_policy 'selective', got remat_policy {m.remat_policy!r}")
   _require(m.norm_eps > 0, "model.norm_eps", "must be > 0")
 
   layers = tuple(m.mla_layers)

@@ -27,7 +27,6 @@ def k3_full() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"
   m.scan_layers = True
   m.remat_policy = "full"         # none | full | selective | dots_saveable | dots_with_no_batch_dims_saveable (model/remat.py)
-  m.remat_keep = ()               # more names for `selective` to keep (model/remat.py): moe_expert_input, moe_expert_hidden, attnres_mix
 
   k = m.kda = ml_collections.ConfigDict()
   k.num_heads = 96

@@ -22,7 +22,7 @@ from flax import nnx
 
 from k3train.parallel import attnres as parallel_attnres
 from k3train.parallel import axes as ax
-from k3train.model import layers, remat
+from k3train.model import layers
 
 
 # ----------------------------------------------------------------------------- sites and stream
@@ -46,7 +46,7 @@ class AttnResMix(nnx.Module):
     h, blocks, p = parallel_attnres.mix_pass(blocks, num_blocks, p, self.query[...],
                                              self.norm_scale[...], eps=self.eps,
                                              backend=self.backend)
-    return remat.tag(h, remat.ATTNRES_MIX), (blocks, num_blocks, p)
+    return h, (blocks, num_blocks, p)
 
 
 def init_stream(embed_btd: jax.Array, max_blocks: int):

@@ -84,6 +84,8 @@ class SuperBlock(nnx.Module):
     return stream
 
 
+# model.remat_policy → jax.checkpoint policy (model/remat.py; "none" does not rematerialise).
+REMAT_POLICIES = {name: remat.policy(name) for name in config_lib.REMAT_POLICIES if name != "none"}
 
 
 class K3Model(nnx.Module):
@@ -93,7 +95,6 @@ class K3Model(nnx.Module):
     self.schedule = sched = config_lib.layer_schedule(m)
     self.num_layers = m.num_layers
     self.remat_policy = m.remat_policy
-    self.remat_keep = tuple(m.remat_keep)
     self.max_blocks = attnres.max_blocks(m.num_layers, m.attn_res.block_size)
     dtype, param_dtype = layers.dtype_from_name(m.dtype), layers.dtype_from_name(m.param_dtype)
     self.embed = layers.Embed(m.vocab_size, m.d_model, std=m.init_std, dtype=dtype,
@@ -141,8 +142,7 @@ class K3Model(nnx.Module):
       return stream, nnx.state(block, nnx.Not(nnx.Param))
 
     if self.remat_policy != "none":
-      body = jax.checkpoint(body, policy=remat.policy(self.remat_policy, self.remat_keep),
-                            prevent_cse=False)
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False)
     indices = jnp.arange(sched.num_super_blocks, dtype=jnp.int32)
     consts = (segment_ids_bt, token_mask_bt)
     if grad_acc is None:
@@ -174,8 +174,7 @@ class K3Model(nnx.Module):
       out = fn(inner, *args)
       return out, nnx.state(inner, nnx.Not(nnx.Param))
 
-    run = jax.checkpoint(run, policy=remat.policy(self.remat_policy, self.remat_keep),
-                         prevent_cse=True)
+    run = jax.checkpoint(run, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=True)
     out, new_rest = run(params, rest, *args)
     nnx.update(module, new_rest)
     return out

@@ -335,15 +335,14 @@ class RoutedExperts(nnx.Module):
 
   def _mlp(self, x_sorted_ml, group_sizes_e, gate_elf, up_elf, down_efl, row_weights_m=None, *,
            quant=None):
-    x_ml = remat.tag(x_sorted_ml.astype(self.dtype), remat.EXPERT_INPUT)
+    x_ml = x_sorted_ml.astype(self.dtype)
     if quant is None:
       mm = lambda a, w: moe_ops.gmm(a, w.astype(self.dtype), group_sizes_e, backend=self.backend)
     else:
       mm = lambda a, w: self._mx_gmm(a, w, group_sizes_e, *quant)
     gate_mf = remat.tag(mm(x_ml, gate_elf), remat.EXPERT_MLP)
     up_mf = remat.tag(mm(x_ml, up_elf), remat.EXPERT_MLP)
-    h_mf = remat.tag(situ_glu(gate_mf, up_mf, self.beta, self.linear_beta, row_weights_m),
-                     remat.EXPERT_HIDDEN)
+    h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta, row_weights_m)
     return mm(h_mf, down_efl)
 
   def _mx_gmm(self, a_mk, w_ekn, group_sizes_e, q: ExpertQuant, weights_quantized: bool):

@@ -23,22 +23,9 @@
                                needs no forward pass over the sources.
              Everything else (norms, gates, the AttnRes mix outputs, the KDA kernel's forward)
              is recomputed as under `full`. `k3train/tools/plan` plans the kept bytes per layer.
-
-`model.remat_keep` adds names to `selective` for a device with memory to spare, each trading
-bytes for a recomputation:
-  moe_expert_input    the expert-sorted rows [rows, ℓ] the gate/up grouped matmuls read: the
-                      backward does not gather them from the tokens again for the weight
-                      gradients;
-  moe_expert_hidden   the SiTU-GLU output [rows, F] (routing weight folded in), the down
-                      grouped matmul's input: the backward neither recomputes the activation
-                      nor writes it again;
-  attnres_mix         each AttnRes site's output [B, T, d]: the backward re-reads no sources
-                      to recompute the mix (its statistics are kept anyway).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -52,10 +39,6 @@ KDA_CONV = "kda_conv"
 ATTENTION = attention_vjp.RESIDUAL_NAME
 ATTNRES_STATS = attnres_vjp.STATS_NAME
 SELECTIVE_NAMES = (ROUTING, EXPERT_MLP, KDA_CONV, ATTENTION, ATTNRES_STATS)
-EXPERT_INPUT = "moe_expert_input"
-EXPERT_HIDDEN = "moe_expert_hidden"
-ATTNRES_MIX = "attnres_mix"
-OPTIONAL_NAMES = (EXPERT_INPUT, EXPERT_HIDDEN, ATTNRES_MIX)      # config.REMAT_KEEP_NAMES
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:
@@ -63,24 +46,14 @@ def tag(x: jax.Array, name: str) -> jax.Array:
   return checkpoint_name(x, name)
 
 
-@functools.lru_cache(maxsize=None)
-def policy(name: str, keep: tuple[str, ...] = ()):
-  """The `jax.checkpoint` policy of a `model.remat_policy` other than "none" ("full": None);
-  `keep` (`model.remat_keep`, names of OPTIONAL_NAMES) adds names to "selective". One object per
-  argument pair, so equal configs trace with the same policy."""
-  keep = tuple(keep)
-  unknown = sorted(set(keep) - set(OPTIONAL_NAMES))
-  if unknown:
-    raise ValueError(f"model.remat_keep: unknown names {unknown}; known: {OPTIONAL_NAMES}")
-  if keep and name != "selective":
-    raise ValueError(f"model.remat_keep={keep} needs model.remat_policy='selective', "
-                     f"got {name!r}")
+def policy(name: str):
+  """The `jax.checkpoint` policy of a `model.remat_policy` other than "none" ("full": None)."""
   if name == "full":
     return None
   if name == "selective":
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*SELECTIVE_NAMES, *keep))
+        jax.checkpoint_policies.save_only_these_names(*SELECTIVE_NAMES))
   if name in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
     return getattr(jax.checkpoint_policies, name)
   raise ValueError(f"model.remat_policy: no jax.checkpoint policy for {name!r}")

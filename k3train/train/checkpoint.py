@@ -35,8 +35,7 @@ MUST_MATCH = ("model", "data", "optim.optimizer")
 MAY_CHANGE = tuple(f"data.{key}" for key in config_lib.DATA_STAGE_KEYS) + (
     "data.max_unusable_records", "data.max_unusable_seconds", "data.skip_warn_fraction",
     "model.moe.qb_rounds",            # training routing only: no state of its own
-    "model.remat_policy",             # what the backward pass recomputes: same state, same values
-    "model.remat_keep")
+    "model.remat_policy")             # what the backward pass recomputes: same state, same values
 ABSENT = "<absent>"
 
 

@@ -147,9 +147,6 @@ def test_remat_changes_neither_loss_nor_gradients():
   _assert_same_loss_and_grads(reference, _three_layer_loss_and_grads((40, 24), remat_policy="full"))
   _assert_same_loss_and_grads(reference,
                               _three_layer_loss_and_grads((40, 24), remat_policy="selective"))
-  _assert_same_loss_and_grads(reference, _three_layer_loss_and_grads(
-      (40, 24), remat_policy="selective",
-      remat_keep=("moe_expert_input", "moe_expert_hidden", "attnres_mix")))
 
 
 def _primitive_counts(remat_policy: str) -> collections.Counter:
@@ -178,53 +175,6 @@ def test_selective_remat_keeps_routing_and_attention_instead_of_recomputing():
   assert full["while"] > none["while"] > 0
   assert selective["while"] == none["while"]
   assert none["dot_general"] < selective["dot_general"] < full["dot_general"]
-
-
-def _named_residuals(remat_keep) -> collections.Counter:
-  """(name, shape) of the values the 3-layer tiny model's selective remat keeps by name."""
-  from jax._src.ad_checkpoint import saved_residuals
-  from k3train.train.step import forward_loss
-  cfg = k3_tiny.get_config()
-  cfg.model.num_layers, cfg.model.mla_layers = 3, (2, 3)
-  cfg.model.remat_policy, cfg.model.remat_keep = "selective", remat_keep
-  model = build_model(cfg.model, seed=0)
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  tokens = jnp.arange(128, dtype=jnp.int32).reshape(2, 64) % 97 + 3
-  batch = {"tokens": tokens, "targets": tokens, "segment_ids": jnp.ones((2, 64), jnp.int32),
-           "loss_mask": jnp.ones((2, 64), jnp.float32)}
-  saved = saved_residuals(lambda p: forward_loss(graphdef, p, rest, batch)[0], params)
-  return collections.Counter((why.split("named '")[1].split("'")[0], tuple(aval.shape))
-                             for aval, why in saved if "named '" in why)
-
-
-def test_remat_keep_adds_the_expert_rows_and_the_mix_outputs():
-  # model.remat_keep adds named values to "selective": the routed experts' sorted input rows
-  # [rows = tokens × top-k, ℓ] and SiTU-GLU output [rows, F] of the MoE layer and each
-  # rematerialised AttnRes site's output [B, T, d]; what "selective" keeps by itself stays kept.
-  cfg = k3_tiny.get_config()
-  m = cfg.model
-  rows = 128 * m.moe.top_k
-  base = _named_residuals(())
-  keep = _named_residuals(("moe_expert_input", "moe_expert_hidden", "attnres_mix"))
-  added = keep - base
-  assert base - keep == collections.Counter()
-  assert added[("moe_expert_input", (rows, m.moe.latent_dim))] == 1
-  assert added[("moe_expert_hidden", (rows, m.moe.expert_hidden))] == 1
-  assert added[("attnres_mix", (2, 64, m.d_model))] >= 4     # both sites of ≥ 2 layers
-  assert set(added) == {("moe_expert_input", (rows, m.moe.latent_dim)),
-                        ("moe_expert_hidden", (rows, m.moe.expert_hidden)),
-                        ("attnres_mix", (2, 64, m.d_model))}
-
-
-def test_remat_keep_needs_known_names_and_the_selective_policy():
-  from k3train import config as config_lib
-  cfg = k3_tiny.get_config()
-  cfg.model.remat_policy, cfg.model.remat_keep = "selective", ("attnres_mix", "kda_state")
-  with pytest.raises(ValueError, match="model.remat_keep.*kda_state"):
-    config_lib.validate(cfg)
-  cfg.model.remat_policy, cfg.model.remat_keep = "full", ("attnres_mix",)
-  with pytest.raises(ValueError, match="model.remat_keep.*selective"):
-    config_lib.validate(cfg)
 
 
 def test_flash_attention_path_matches_the_dense_path():

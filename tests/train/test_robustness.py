@@ -392,14 +392,12 @@ def test_a_checkpoint_of_another_config_is_refused_before_the_model_is_built(tmp
 
 
 def test_resume_allows_settings_without_state_and_refuses_model_changes():
-  # A workdir's saved config against the current one: the remat policy, the values it keeps and
-  # the QB rounds change what is computed, not the state, so a resume may change them (also from
-  # a config written before a key existed); a model shape may not.
+  # A workdir's saved config against the current one: the remat policy and the QB rounds change
+  # what is computed, not the state, so a resume may change them; a model shape may not.
   from k3train.train import checkpoint
   saved = {"model": {"remat_policy": "full", "moe": {"qb_rounds": 4, "top_k": 2}},
            "optim": {"optimizer": "adamw"}}
-  current = {"model": {"remat_policy": "selective", "moe": {"qb_rounds": 2, "top_k": 2},
-                       "remat_keep": ["attnres_mix"]},      # absent from the saved config
+  current = {"model": {"remat_policy": "selective", "moe": {"qb_rounds": 2, "top_k": 2}},
              "optim": {"optimizer": "adamw"}}
   assert checkpoint.config_diffs(saved, current) == []
   current["model"]["moe"]["top_k"] = 3

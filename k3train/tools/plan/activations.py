@@ -67,9 +67,7 @@ Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 la
                   top-k expert indices (int32), the expert gate/up gmm outputs and the combined
                   latent, the KDA conv
                   outputs of q, k, v, the attention output with its fp32 log-sum-exp and the
-                  AttnRes statistics; `model.remat_keep` adds the expert gmm input rows
-                  (moe_expert_input), their SiTU-GLU output (moe_expert_hidden) and each AttnRes
-                  site's output [n, d] (attnres_mix).
+                  AttnRes statistics.
   none            every layer's residuals.
 
 The MTP block is planned like one more unscanned layer under each policy: full recomputes its
@@ -225,10 +223,6 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   out["attn_res"] = Cost().add("attn_res: block buffer version + fp32 stats [3, N_max, n]",
                                saved=n * (ns - 1) * d * A // 2 + 3 * n * ns * F,
                                kept=3 * n * ns * F, transient=2 * n * ns * d * F)
-  keep = set(m.remat_keep)
-  if "attnres_mix" in keep:     # the site's output, otherwise recomputed from the sources
-    out["attn_res"].add("attn_res: mix output [n, d] (remat_keep attnres_mix)",
-                        saved=n * d * A, kept=n * d * A)
   out["norm"] = Cost().add("rmsnorm: fp32 input + output", saved=n * d * (F + A))
 
   k = m.kda
@@ -281,9 +275,7 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   c.add("moe: shared experts", dots=n * (2 * sh * A + d * A), saved=n * sh * (A + F))
   c.add(f"moe: expert rows (ep·n·k = {rows:,}) gmm input, gate/up/hidden, combine",
         saved=rows * (lat + 3 * fl) * A + n * topk * lat * A,
-        transient=3 * rows * lat * A,
-        kept=((3 if "moe_expert_hidden" in keep else 2) * rows * fl * A
-              + (rows * lat * A if "moe_expert_input" in keep else 0)))
+        transient=3 * rows * lat * A, kept=2 * rows * fl * A)
   out["moe"] = c
   # QB finds its quantile by radix selection over per-expert counts: each device compares only
   # its own n tokens' [n, E] fp32 margins (and their uint32 keys) with a few candidates per
