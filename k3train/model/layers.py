@@ -6,8 +6,9 @@ All modules are single-device code. Every parameter carries logical axis names (
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -205,58 +206,13 @@ def situ_glu(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None,
   """SiTU-GLU(g, u) = SiTU_β1(g) · β2·tanh(u/β2); bounded by β1·β2 (docs/maths.md §5.4). Returns g's dtype.
 
   row_scale [rows] (optional): each row is multiplied by its value in fp32 before the rounding
-  (routed experts fold their routing weight in here).
-
-  Its VJP (`_situ_glu_bwd`) recomputes the activation's derivatives from g and u, so the only
-  residuals are the inputs: autodiff of the formula would keep fp32 tanh(g/β1), σ(g) and
-  tanh(u/β2) arrays of g's shape, which a rematerialised layer writes out again in its backward
-  pass (on the k3_h200 step, fp32 [rows, F] writes of ~13 ms per 32,768 tokens)."""
-  return _situ_glu(g, u, row_scale, beta, linear_beta)
-
-
-def _situ_terms(g, u, beta, linear_beta):
-  """(SiTU_β1(g), ∂SiTU/∂g, up(u), ∂up/∂u), fp32, with up(u) = β2·tanh(u/β2) (or u)."""
-  a = g.astype(jnp.float32)
-  sig = jax.nn.sigmoid(a)
-  t = jnp.tanh(a / beta)
-  situ_g = beta * t * sig
-  d_situ = (1.0 - t * t) * sig + beta * t * sig * (1.0 - sig)
-  u32 = u.astype(jnp.float32)
-  if linear_beta is None:
-    return situ_g, d_situ, u32, jnp.ones_like(u32)
-  tu = jnp.tanh(u32 / linear_beta)
-  return situ_g, d_situ, linear_beta * tu, 1.0 - tu * tu
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _situ_glu(g, u, row_scale, beta, linear_beta):
-  a = g.astype(jnp.float32)
+  (routed experts fold their routing weight in here)."""
   u32 = u.astype(jnp.float32)
   up = u32 if linear_beta is None else linear_beta * jnp.tanh(u32 / linear_beta)
-  h = situ(a, beta) * up
+  h = situ(g, beta) * up
   if row_scale is not None:
     h = h * row_scale.astype(jnp.float32)[..., None]
   return h.astype(g.dtype)
-
-
-def _situ_glu_fwd(g, u, row_scale, beta, linear_beta):
-  return _situ_glu(g, u, row_scale, beta, linear_beta), (g, u, row_scale)
-
-
-def _situ_glu_bwd(beta, linear_beta, residuals, dh):
-  g, u, row_scale = residuals
-  situ_g, d_situ, up, d_up = _situ_terms(g, u, beta, linear_beta)
-  dh32 = dh.astype(jnp.float32)
-  d_row = None
-  if row_scale is not None:
-    d_row = jnp.sum(dh32 * situ_g * up, axis=-1).astype(row_scale.dtype)
-    dh32 = dh32 * row_scale.astype(jnp.float32)[..., None]
-  dg = (dh32 * up * d_situ).astype(g.dtype)
-  du = (dh32 * situ_g * d_up).astype(u.dtype)
-  return dg, du, d_row
-
-
-_situ_glu.defvjp(_situ_glu_fwd, _situ_glu_bwd)
 
 
 class GluMLP(nnx.Module):
