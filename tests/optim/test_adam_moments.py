@@ -31,12 +31,12 @@ def _run(optimizer: str, mu_dtype: str, steps: int = 6):
   cfg.optim.warmup_steps, cfg.optim.muon_ns_dtype = 0, "float32"
   params = _params()
   tx = make_optimizer(cfg, params)
-  state = tx.init(params)
+  state, update = tx.init(params), jax.jit(tx.update)
   rng = np.random.default_rng(1)
   updates = []
   for _ in range(steps):
     grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
-    upd, state = jax.jit(tx.update)(grads, state, params)
+    upd, state = update(grads, state, params)
     updates.append(upd)
   return updates, state
 
