@@ -23,6 +23,7 @@ from pallas_kernels import kda as kda_op
 from pallas_kernels import moe as moe_ops
 from pallas_kernels import qb as qb_op
 from pallas_kernels import short_conv as short_conv_op
+from pallas_kernels import situ_glu as situ_glu_op
 from k3train.quant import mx
 
 
@@ -45,6 +46,7 @@ MOE_BACKENDS = moe_ops.BACKENDS
 ATTENTION_BACKENDS = attention_op.BACKENDS
 ATTNRES_BACKENDS = attnres_op.BACKENDS
 QB_BACKENDS = qb_op.BACKENDS
+SITU_GLU_BACKENDS = situ_glu_op.BACKENDS
 QAT_GEMMS = ("auto", "fake_quant", "mx")     # model.quant.gemm (k3train/model/moe.py)
 # `data` keys that may change between curriculum stages (and so between a checkpoint and the run
 # restoring it): the data iterator re-plans them without losing its place in any source.
@@ -203,6 +205,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            f"must be >= 1 decoder layers, got {m.attn_res.block_size}")
   _require(m.attn_res.backend in ATTNRES_BACKENDS, "model.attn_res.backend",
            f"must be one of {ATTNRES_BACKENDS}, got {m.attn_res.backend!r}")
+  _require(m.get("situ_backend", "auto") in SITU_GLU_BACKENDS, "model.situ_backend",
+           f"must be one of {SITU_GLU_BACKENDS}, got {m.get('situ_backend')!r}")
 
   _validate_data(cfg.data)
   _validate_vision(m, cfg.data)

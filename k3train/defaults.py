@@ -23,6 +23,7 @@ def k3_full() -> ml_collections.ConfigDict:
   m.init_std = 0.02
   m.situ_beta = 4.0
   m.situ_linear_beta = 25.0
+  m.situ_backend = "auto"         # SiTU-GLU, pallas_kernels.situ_glu: xla | pallas_gpu | auto
   m.dtype = "bfloat16"            # activation / matmul dtype (fp32 accumulation)
   m.param_dtype = "float32"
   m.scan_layers = True

@@ -219,6 +219,12 @@ def test_unknown_kda_backend():
   expect_error(cfg, "model.kda.backend", "cuda_magic")
 
 
+def test_unknown_situ_backend():
+  cfg = full()
+  cfg.model.situ_backend = "triton"
+  expect_error(cfg, "model.situ_backend", "triton")
+
+
 def test_shared_hidden_not_divisible():
   cfg = full()
   cfg.model.moe.shared_hidden = 6145

@@ -17,6 +17,7 @@ from flax import nnx
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
 from pallas_kernels import platform
+from pallas_kernels.situ_glu import op as situ_glu_op
 
 Shape = Sequence[int]
 Axes = Sequence[str]
@@ -195,24 +196,14 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale[...], self.eps)
 
 
-def situ(g: jax.Array, beta: float) -> jax.Array:
-  """SiTU_β(g) = β·tanh(g/β)·σ(g) (docs/maths.md §5.4), fp32."""
-  g = g.astype(jnp.float32)
-  return beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g)
-
-
 def situ_glu(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None,
-             row_scale: jax.Array | None = None) -> jax.Array:
+             row_scale: jax.Array | None = None, *, backend: str = "auto") -> jax.Array:
   """SiTU-GLU(g, u) = SiTU_β1(g) · β2·tanh(u/β2); bounded by β1·β2 (docs/maths.md §5.4). Returns g's dtype.
 
   row_scale [rows] (optional): each row is multiplied by its value in fp32 before the rounding
-  (routed experts fold their routing weight in here)."""
-  u32 = u.astype(jnp.float32)
-  up = u32 if linear_beta is None else linear_beta * jnp.tanh(u32 / linear_beta)
-  h = situ(g, beta) * up
-  if row_scale is not None:
-    h = h * row_scale.astype(jnp.float32)[..., None]
-  return h.astype(g.dtype)
+  (routed experts fold their routing weight in here). `backend`: pallas_kernels.situ_glu's (on a
+  GPU "auto" runs its kernels, whose backward keeps nothing but g and u)."""
+  return situ_glu_op.situ_glu(g, u, beta, linear_beta, row_scale, backend=backend)
 
 
 class GluMLP(nnx.Module):
@@ -220,9 +211,12 @@ class GluMLP(nnx.Module):
 
   def __init__(self, d_model: int, hidden: int, *, beta: float, linear_beta: float | None,
                std: float = 0.02, dtype=jnp.float32, param_dtype=jnp.float32,
-               in_axis: str = ax.EMBED, hidden_axis: str = ax.MLP, rngs: nnx.Rngs):
+               in_axis: str = ax.EMBED, hidden_axis: str = ax.MLP, situ_backend: str = "auto",
+               rngs: nnx.Rngs):
+    situ_glu_op.resolve_backend(situ_backend)      # fail at construction on a bad name
     self.beta = beta
     self.linear_beta = linear_beta
+    self.situ_backend = situ_backend
     kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.gate_proj = Linear((d_model,), (hidden,), (in_axis, hidden_axis), **kw)
     self.up_proj = Linear((d_model,), (hidden,), (in_axis, hidden_axis), **kw)
@@ -230,7 +224,8 @@ class GluMLP(nnx.Module):
 
   @jax.named_scope("ffn")
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
+    h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta,
+                 backend=self.situ_backend)
     h = constrain(h, ax.BATCH, ax.SEQ, ax.MLP) if h.ndim == 3 else h
     return self.down_proj(h)
 

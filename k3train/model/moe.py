@@ -62,6 +62,7 @@ from k3train.parallel import expert as expert_parallel
 from k3train.quant import mx
 from pallas_kernels import moe as moe_ops
 from pallas_kernels import qb as qb_kernels
+from pallas_kernels.situ_glu import op as situ_glu_op
 
 
 # ----------------------------------------------------------------------------- variables
@@ -299,12 +300,14 @@ class RoutedExperts(nnx.Module):
   """
 
   def __init__(self, num_experts: int, latent_dim: int, hidden: int, *, beta: float,
-               linear_beta: float | None, backend: str = "auto", std: float = 0.02,
-               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               linear_beta: float | None, backend: str = "auto", situ_backend: str = "auto",
+               std: float = 0.02, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     moe_ops.resolve_backend(backend)      # fail at construction on a bad name
+    situ_glu_op.resolve_backend(situ_backend)
     self.beta = beta
     self.linear_beta = linear_beta
     self.backend = backend
+    self.situ_backend = situ_backend
     self.dtype = dtype
     init = normal_init(std)
     in_axes = (ax.EXPERTS, ax.LATENT, ax.EXPERT_MLP)
@@ -342,7 +345,8 @@ class RoutedExperts(nnx.Module):
       mm = lambda a, w: self._mx_gmm(a, w, group_sizes_e, *quant)
     gate_mf = remat.tag(mm(x_ml, gate_elf), remat.EXPERT_MLP)
     up_mf = remat.tag(mm(x_ml, up_elf), remat.EXPERT_MLP)
-    h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta, row_weights_m)
+    h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta, row_weights_m,
+                    backend=self.situ_backend)
     return mm(h_mf, down_efl)
 
   def _mx_gmm(self, a_mk, w_ekn, group_sizes_e, q: ExpertQuant, weights_quantized: bool):
@@ -398,8 +402,8 @@ class StableLatentMoE(nnx.Module):
   """
 
   def __init__(self, moe_cfg: Any, *, d_model: int, init_std: float, norm_eps: float,
-               situ_beta: float, situ_linear_beta: float | None, dtype=jnp.float32,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+               situ_beta: float, situ_linear_beta: float | None, situ_backend: str = "auto",
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_experts = int(moe_cfg.num_experts)
     latent = int(moe_cfg.latent_dim)
     self.num_experts = num_experts
@@ -420,12 +424,12 @@ class StableLatentMoE(nnx.Module):
     self.down_proj = Linear((d_model,), (latent,), (ax.EMBED, ax.LATENT), **lin)
     self.experts = RoutedExperts(num_experts, latent, int(moe_cfg.expert_hidden),
                                  beta=situ_beta, linear_beta=situ_linear_beta,
-                                 backend=moe_cfg.backend, **lin)
+                                 backend=moe_cfg.backend, situ_backend=situ_backend, **lin)
     self.latent_norm = (RMSNorm(latent, eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
                         if moe_cfg.latent_norm else None)
     self.up_proj = Linear((latent,), (d_model,), (ax.LATENT, ax.EMBED), **lin)
     self.shared = (GluMLP(d_model, int(moe_cfg.shared_hidden), beta=situ_beta,
-                          linear_beta=situ_linear_beta, **lin)
+                          linear_beta=situ_linear_beta, situ_backend=situ_backend, **lin)
                    if int(moe_cfg.num_shared_experts) > 0 else None)
     self.qb_pending = _expert_vector(QBPending, num_experts)
     if self.qb_mean_correction:
