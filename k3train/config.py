@@ -198,6 +198,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(e.backend in MOE_BACKENDS, "model.moe.backend", f"must be one of {MOE_BACKENDS}, got {e.backend!r}")
   _require(e.qb_backend in QB_BACKENDS, "model.moe.qb_backend",
            f"must be one of {QB_BACKENDS}, got {e.qb_backend!r}")
+  _require(e.situ_backend in SITU_GLU_BACKENDS, "model.moe.situ_backend",
+           f"must be one of {SITU_GLU_BACKENDS}, got {e.situ_backend!r}")
   _validate_quant(m)
 
   _require(m.mtp.loss_weight >= 0, "model.mtp.loss_weight", f"must be >= 0, got {m.mtp.loss_weight}")
@@ -205,8 +207,6 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            f"must be >= 1 decoder layers, got {m.attn_res.block_size}")
   _require(m.attn_res.backend in ATTNRES_BACKENDS, "model.attn_res.backend",
            f"must be one of {ATTNRES_BACKENDS}, got {m.attn_res.backend!r}")
-  _require(m.get("situ_backend", "auto") in SITU_GLU_BACKENDS, "model.situ_backend",
-           f"must be one of {SITU_GLU_BACKENDS}, got {m.get('situ_backend')!r}")
 
   _validate_data(cfg.data)
   _validate_vision(m, cfg.data)

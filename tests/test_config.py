@@ -221,8 +221,8 @@ def test_unknown_kda_backend():
 
 def test_unknown_situ_backend():
   cfg = full()
-  cfg.model.situ_backend = "triton"
-  expect_error(cfg, "model.situ_backend", "triton")
+  cfg.model.moe.situ_backend = "triton"
+  expect_error(cfg, "model.moe.situ_backend", "triton")
 
 
 def test_shared_hidden_not_divisible():

@@ -54,13 +54,11 @@ class DecoderLayer(nnx.Module):
     self.mlp_norm = layers.RMSNorm(d, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
     if ffn == "dense":
       self.ffn = layers.GluMLP(d, m.dense_ffn_hidden, beta=m.situ_beta, linear_beta=m.situ_linear_beta,
-                               std=m.init_std, dtype=dtype, param_dtype=param_dtype,
-                               situ_backend=m.get("situ_backend", "auto"), rngs=rngs)
+                               std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     else:
       self.ffn = StableLatentMoE(m.moe, d_model=d, init_std=m.init_std, norm_eps=m.norm_eps,
                                  situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta,
-                                 situ_backend=m.get("situ_backend", "auto"), dtype=dtype,
-                                 param_dtype=param_dtype, rngs=rngs)
+                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.ffn_kind = ffn
 
   def __call__(self, stream, layer_index, segment_ids_bt, token_mask_bt):

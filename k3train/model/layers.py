@@ -197,12 +197,12 @@ class RMSNorm(nnx.Module):
 
 
 def situ_glu(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None,
-             row_scale: jax.Array | None = None, *, backend: str = "auto") -> jax.Array:
+             row_scale: jax.Array | None = None, *, backend: str = "xla") -> jax.Array:
   """SiTU-GLU(g, u) = SiTU_β1(g) · β2·tanh(u/β2); bounded by β1·β2 (docs/maths.md §5.4). Returns g's dtype.
 
   row_scale [rows] (optional): each row is multiplied by its value in fp32 before the rounding
-  (routed experts fold their routing weight in here). `backend`: pallas_kernels.situ_glu's (on a
-  GPU "auto" runs its kernels, whose backward keeps nothing but g and u)."""
+  (routed experts fold their routing weight in here). `backend`: pallas_kernels.situ_glu's
+  ("pallas_gpu": Triton kernels whose backward keeps nothing but g and u)."""
   return situ_glu_op.situ_glu(g, u, beta, linear_beta, row_scale, backend=backend)
 
 
@@ -211,12 +211,9 @@ class GluMLP(nnx.Module):
 
   def __init__(self, d_model: int, hidden: int, *, beta: float, linear_beta: float | None,
                std: float = 0.02, dtype=jnp.float32, param_dtype=jnp.float32,
-               in_axis: str = ax.EMBED, hidden_axis: str = ax.MLP, situ_backend: str = "auto",
-               rngs: nnx.Rngs):
-    situ_glu_op.resolve_backend(situ_backend)      # fail at construction on a bad name
+               in_axis: str = ax.EMBED, hidden_axis: str = ax.MLP, rngs: nnx.Rngs):
     self.beta = beta
     self.linear_beta = linear_beta
-    self.situ_backend = situ_backend
     kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.gate_proj = Linear((d_model,), (hidden,), (in_axis, hidden_axis), **kw)
     self.up_proj = Linear((d_model,), (hidden,), (in_axis, hidden_axis), **kw)
@@ -224,8 +221,9 @@ class GluMLP(nnx.Module):
 
   @jax.named_scope("ffn")
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta,
-                 backend=self.situ_backend)
+    # The xla backend: XLA fuses the activation and its gradient with the GEMMs around it
+    # (the routed experts' kernels cannot fuse, hence model.moe.situ_backend there).
+    h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
     h = constrain(h, ax.BATCH, ax.SEQ, ax.MLP) if h.ndim == 3 else h
     return self.down_proj(h)
 

@@ -300,7 +300,7 @@ class RoutedExperts(nnx.Module):
   """
 
   def __init__(self, num_experts: int, latent_dim: int, hidden: int, *, beta: float,
-               linear_beta: float | None, backend: str = "auto", situ_backend: str = "auto",
+               linear_beta: float | None, backend: str = "auto", situ_backend: str = "xla",
                std: float = 0.02, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     moe_ops.resolve_backend(backend)      # fail at construction on a bad name
     situ_glu_op.resolve_backend(situ_backend)
@@ -397,13 +397,14 @@ class StableLatentMoE(nnx.Module):
 
   moe_cfg fields: num_experts, top_k, latent_dim, expert_hidden, num_shared_experts,
   shared_hidden (all shared experts together, stored as one GluMLP), routed_scaling_factor,
-  renormalize, latent_norm, quantile_balancing, backend (a `pallas_kernels.moe` gmm backend).
+  renormalize, latent_norm, quantile_balancing, backend (a `pallas_kernels.moe` gmm backend),
+  situ_backend (the routed experts' SiTU-GLU, a `pallas_kernels.situ_glu` backend).
   All weights start as N(0, init_std), the norm gain as 1 and the bias as 0.
   """
 
   def __init__(self, moe_cfg: Any, *, d_model: int, init_std: float, norm_eps: float,
-               situ_beta: float, situ_linear_beta: float | None, situ_backend: str = "auto",
-               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               situ_beta: float, situ_linear_beta: float | None, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_experts = int(moe_cfg.num_experts)
     latent = int(moe_cfg.latent_dim)
     self.num_experts = num_experts
@@ -424,12 +425,13 @@ class StableLatentMoE(nnx.Module):
     self.down_proj = Linear((d_model,), (latent,), (ax.EMBED, ax.LATENT), **lin)
     self.experts = RoutedExperts(num_experts, latent, int(moe_cfg.expert_hidden),
                                  beta=situ_beta, linear_beta=situ_linear_beta,
-                                 backend=moe_cfg.backend, situ_backend=situ_backend, **lin)
+                                 backend=moe_cfg.backend,
+                                 situ_backend=str(getattr(moe_cfg, "situ_backend", "xla")), **lin)
     self.latent_norm = (RMSNorm(latent, eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
                         if moe_cfg.latent_norm else None)
     self.up_proj = Linear((latent,), (d_model,), (ax.LATENT, ax.EMBED), **lin)
     self.shared = (GluMLP(d_model, int(moe_cfg.shared_hidden), beta=situ_beta,
-                          linear_beta=situ_linear_beta, situ_backend=situ_backend, **lin)
+                          linear_beta=situ_linear_beta, **lin)
                    if int(moe_cfg.num_shared_experts) > 0 else None)
     self.qb_pending = _expert_vector(QBPending, num_experts)
     if self.qb_mean_correction:

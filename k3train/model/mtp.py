@@ -72,8 +72,7 @@ class MTPModule(nnx.Module):
     self.mlp_norm = layers.RMSNorm(d, **norm)
     self.ffn = StableLatentMoE(m.moe, d_model=d, init_std=m.init_std, norm_eps=m.norm_eps,
                                situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta,
-                               situ_backend=m.get("situ_backend", "auto"), dtype=dtype,
-                               param_dtype=param_dtype, rngs=rngs)
+                               dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.final_norm = layers.RMSNorm(d, **norm)
     self.stats = MTPStats(jnp.zeros((2,), jnp.float32))
 

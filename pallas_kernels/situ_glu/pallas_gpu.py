@@ -188,9 +188,12 @@ def backward(g, u, dh, row_scale, *, beta: float, linear_beta: float | None,
     out_shape.append(jax.ShapeDtypeStruct((f // cols, n), F32))
     out_specs.append(pl.BlockSpec((None, rows), lambda i, j: (j, i)))
   kernel = functools.partial(_backward_kernel, beta=beta, linear_beta=linear_beta, scaled=scaled)
+  # dg overwrites dh where they match (each program reads its dh block before writing dg's):
+  # the backward then needs one new [N, F] buffer, not two.
+  aliases = {2: 0} if dh.dtype == g.dtype else {}
   outs = pl.pallas_call(kernel, grid=(n // rows, f // cols),
                         in_specs=_specs(rows, cols, scaled, 3), out_specs=out_specs,
-                        out_shape=out_shape, interpret=interpret,
+                        out_shape=out_shape, input_output_aliases=aliases, interpret=interpret,
                         compiler_params=_compiler_params(interpret, settings),
                         name="situ_glu_backward")(*operands)
   dg, du = outs[0].reshape(g.shape), outs[1].reshape(u.shape)
