@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3train.parallel import axes as ax
+from k3train.model import expert_tail
 from k3train.model import remat
 from k3train.model.layers import (GluMLP, Linear, RMSNorm, fp32_weight_matmul, normal_init, param,
                                   situ_glu)
@@ -345,6 +346,15 @@ class RoutedExperts(nnx.Module):
       mm = lambda a, w: self._mx_gmm(a, w, group_sizes_e, *quant)
     gate_mf = remat.tag(mm(x_ml, gate_elf), remat.EXPERT_MLP)
     up_mf = remat.tag(mm(x_ml, up_elf), remat.EXPERT_MLP)
+    hidden = gate_mf.shape[-1]
+    if quant is None and situ_glu_op.resolve_backend(
+        self.situ_backend, gate_mf.size // max(hidden, 1), hidden, gate_mf.dtype) == "pallas_gpu":
+      # The activation's kernels with the down GEMM as one op: its backward writes h beside the
+      # activation's gradients, so no forward pass runs again for h (model/expert_tail.py).
+      gmm = functools.partial(moe_ops.gmm, backend=self.backend)
+      return expert_tail.situ_glu_down(gate_mf, up_mf, row_weights_m, down_efl.astype(self.dtype),
+                                       group_sizes_e, gmm=gmm, beta=self.beta,
+                                       linear_beta=self.linear_beta, situ_backend="pallas_gpu")
     h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta, row_weights_m,
                     backend=self.situ_backend)
     return mm(h_mf, down_efl)

@@ -10,7 +10,7 @@ reference.situ_glu. There is no pallas_tpu module: on TPUs "auto" takes "xla". M
 benchmarks/situ_glu.md.
 """
 
-from pallas_kernels.situ_glu.op import BACKENDS, resolve_backend, situ_glu
+from pallas_kernels.situ_glu.op import BACKENDS, resolve_backend, situ_glu, value_and_grads
 from pallas_kernels.situ_glu.reference import situ_glu as reference_situ_glu
 
-__all__ = ["BACKENDS", "reference_situ_glu", "resolve_backend", "situ_glu"]
+__all__ = ["BACKENDS", "reference_situ_glu", "resolve_backend", "situ_glu", "value_and_grads"]

@@ -7,7 +7,8 @@ covers `rows` × `cols` of them (grid (N / rows, F / cols)). In fp32, with t = t
   forward   h = gate · up · r, rounded once to g's dtype;
   backward  dg = dh·r · up · ((1 − t²)·σ + β₁·t·σ·(1 − σ)),
             du = dh·r · gate · (1 − tanh²(u/β₂))   (dh·r·gate when β₂ is None),
-            dr = Σ_f dh · gate · up, as per-program partial sums [F / cols, N] that the caller adds.
+            dr = Σ_f dh · gate · up, as per-program partial sums [F / cols, N] that the caller adds;
+            optionally h as well (`with_h`: for an op whose backward needs h and dh together).
 
 The backward reads g, u, dh (and r) once and recomputes every term in registers. Under XLA the
 same maths writes autodiff's fp32 residuals tanh(g/β₁) and tanh(u/β₂) in the rematerialised
@@ -112,14 +113,20 @@ def _forward_kernel(*refs, beta: float, linear_beta: float | None, scaled: bool)
   h_ref[...] = h.astype(h_ref.dtype)
 
 
-def _backward_kernel(*refs, beta: float, linear_beta: float | None, scaled: bool):
+def _backward_kernel(*refs, beta: float, linear_beta: float | None, scaled: bool,
+                     with_h: bool):
+  refs = list(refs)
+  h_ref = refs.pop() if with_h else None
   if scaled:
     g_ref, u_ref, dh_ref, r_ref, dg_ref, du_ref, dr_ref = refs
   else:
-    g_ref, u_ref, dh_ref, dg_ref, du_ref = refs
+    (g_ref, u_ref, dh_ref, dg_ref, du_ref), r_ref = refs, None
   t, sig, gate, tu, up = _terms(g_ref[...].astype(F32), u_ref[...].astype(F32), beta,
                                 linear_beta)
   dh = dh_ref[...].astype(F32)
+  if with_h:
+    h = gate * up
+    h_ref[...] = (h * r_ref[...][:, None] if scaled else h).astype(h_ref.dtype)
   if scaled:
     dr_ref[...] = jnp.sum(dh * gate * up, axis=1)
     dh = dh * r_ref[...][:, None]
@@ -171,10 +178,12 @@ def forward(g, u, row_scale, *, beta: float, linear_beta: float | None, interpre
   return h.reshape(g.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "interpret", "settings"))
+@functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "interpret", "settings",
+                                             "with_h"))
 def backward(g, u, dh, row_scale, *, beta: float, linear_beta: float | None,
-             interpret: bool = False, settings: Settings | None = None):
-  """(dg in g's dtype, du in u's dtype, d_row_scale fp32 [...] or None) for the cotangent dh."""
+             interpret: bool = False, settings: Settings | None = None, with_h: bool = False):
+  """(dg in g's dtype, du in u's dtype, d_row_scale fp32 [...] or None) for the cotangent dh;
+  with_h: (h, dg, du, d_row_scale), the forward's h written by the same pass."""
   settings = settings or SETTINGS
   rows, cols = checked_tiles(g, settings)
   f = g.shape[-1]
@@ -187,7 +196,11 @@ def backward(g, u, dh, row_scale, *, beta: float, linear_beta: float | None,
     operands.append(row_scale.reshape(n).astype(F32))
     out_shape.append(jax.ShapeDtypeStruct((f // cols, n), F32))
     out_specs.append(pl.BlockSpec((None, rows), lambda i, j: (j, i)))
-  kernel = functools.partial(_backward_kernel, beta=beta, linear_beta=linear_beta, scaled=scaled)
+  if with_h:
+    out_shape.append(jax.ShapeDtypeStruct((n, f), g.dtype))
+    out_specs.append(pl.BlockSpec((rows, cols), lambda i, j: (i, j)))
+  kernel = functools.partial(_backward_kernel, beta=beta, linear_beta=linear_beta, scaled=scaled,
+                             with_h=with_h)
   # dg overwrites dh where they match (each program reads its dh block before writing dg's):
   # the backward then needs one new [N, F] buffer, not two.
   aliases = {2: 0} if dh.dtype == g.dtype else {}
@@ -198,4 +211,6 @@ def backward(g, u, dh, row_scale, *, beta: float, linear_beta: float | None,
                         name="situ_glu_backward")(*operands)
   dg, du = outs[0].reshape(g.shape), outs[1].reshape(u.shape)
   dr = jnp.sum(outs[2], axis=0).reshape(row_scale.shape) if scaled else None
+  if with_h:
+    return outs[-1].reshape(g.shape), dg, du, dr
   return dg, du, dr

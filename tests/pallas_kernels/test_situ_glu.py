@@ -150,3 +150,27 @@ def test_auto_takes_xla_off_gpu_and_kernels_where_they_tile():
   assert pallas_gpu.tiles(16384, 2048) == (64, 256)
   assert pallas_gpu.tiles(100, 24) is None          # 24 units: no power-of-two block of 16
   assert not pallas_gpu.supports(128, 256, jnp.float64)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_value_and_grads_equal_forward_and_vjp(backend, scaled):
+  """value_and_grads (one pass: h beside the gradients) gives the forward's h and the VJP's
+  gradients of the same backend: the same fp32 terms, rounded once each (within one rounding
+  plus the fp32 error bound of `_assert_equal_float64`: another compiled program may contract
+  the fp32 terms differently)."""
+  g, u, dh, r = _inputs(seed=5)
+  r = r if scaled else None
+  with pallas_gpu.configured(rows=16, cols=32):
+    h, dg, du, dr = op.value_and_grads(g, u, dh, BETA, LINEAR_BETA, r, backend=backend)
+    want = _run(backend, g, u, dh, r, LINEAR_BETA)
+  sizes = (np.abs(np.asarray(want[0], np.float64)), *_gradient_sizes(g, u, dh, r, LINEAR_BETA))
+  for a, b, size in zip((h, dg, du), want[:3], sizes):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.abs(a - b) <= 2 * _half_ulp(b, g.dtype) + 4e-6 * size)
+  if scaled:
+    np.testing.assert_allclose(np.asarray(dr), np.asarray(want[3]), rtol=1e-6, atol=1e-6)
+  else:
+    assert dr is None
+  with pytest.raises(ValueError, match="dh must have"):
+    op.value_and_grads(g, u, dh[..., :32], BETA, LINEAR_BETA, backend=backend)
