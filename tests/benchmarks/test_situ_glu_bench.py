@@ -9,11 +9,15 @@ from tests.benchmarks import scripts
 
 def test_rows_and_errors(capsys):
   bench = scripts.load("situ_glu")
-  assert bench.main([bench.PROG, "--scaled_shapes=64x48", "--shapes=32x32", "--iters=1"]) == 0
+  assert bench.main([bench.PROG, "--scaled_shapes=64x48", "--shapes=32x32", "--iters=1",
+                     "--tail_shapes=64x32x16x4"]) == 0
   rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
           if line.startswith("{")]
   assert [(r["shape"], r["row_scale"], r["path"]) for r in rows] == [
-      ("64x48", True, "xla"), ("32x32", False, "xla")]          # no GPU: no kernel paths
+      ("64x48", True, "xla"), ("32x32", False, "xla"),
+      ("64x32x16x4", True, "tail:xla")]                        # no GPU: no kernel paths
+  tail = rows.pop()
+  assert tail["fwd_ms"] > 0 and tail["train_ms"] > 0 and tail["grad_err_vs_tail_xla"] == {}
   for r in rows:
     assert r["fwd_ms"] > 0 and r["train_ms"] > 0
     errors = r["max_err_rel_to_max"]
