@@ -221,8 +221,9 @@ class GluMLP(nnx.Module):
 
   @jax.named_scope("ffn")
   def __call__(self, x: jax.Array) -> jax.Array:
-    # The xla backend: XLA fuses the activation and its gradient with the GEMMs around it
-    # (the routed experts' kernels cannot fuse, hence model.moe.situ_backend there).
+    # The xla backend: with the kernels here too the k3_h200 step needs 1.4 GiB more and XLA
+    # rematerialises to fit (benchmarks/situ_glu.md); the routed experts choose theirs by
+    # model.moe.situ_backend.
     h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
     h = constrain(h, ax.BATCH, ax.SEQ, ax.MLP) if h.ndim == 3 else h
     return self.down_proj(h)
