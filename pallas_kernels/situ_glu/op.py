@@ -48,6 +48,17 @@ def _validate(g, u, row_scale) -> None:
                      f"{row_scale.shape}")
 
 
+def _prepared(g, u, row_scale, beta, linear_beta, backend: str):
+  """Validated inputs (and, for "pallas_gpu", the kernels' tiles) → (the resolved backend, β₁
+  and β₂ as Python floats)."""
+  _validate(g, u, row_scale)
+  hidden = g.shape[-1]
+  backend = resolve_backend(backend, g.size // max(hidden, 1), hidden, g.dtype)
+  if backend == "pallas_gpu":
+    pallas_gpu.checked_tiles(g)
+  return backend, float(beta), None if linear_beta is None else float(linear_beta)
+
+
 def value_and_grads(g: jax.Array, u: jax.Array, dh: jax.Array, beta: float,
                     linear_beta: float | None = None, row_scale: jax.Array | None = None, *,
                     backend: str = "auto"):
@@ -55,15 +66,10 @@ def value_and_grads(g: jax.Array, u: jax.Array, dh: jax.Array, beta: float,
   in one pass over g, u and dh ("pallas_gpu": the backward kernel writing h too; "xla": autodiff,
   which XLA fuses). For an op whose own backward needs h only once dh is known (the experts'
   down projection: its weight gradient reads h), so no forward pass is rematerialised for h."""
-  _validate(g, u, row_scale)
   if dh.shape != g.shape:
     raise ValueError(f"situ_glu: dh must have g's shape {g.shape}, got {dh.shape}")
-  hidden = g.shape[-1]
-  backend = resolve_backend(backend, g.size // max(hidden, 1), hidden, g.dtype)
-  beta = float(beta)
-  linear_beta = None if linear_beta is None else float(linear_beta)
+  backend, beta, linear_beta = _prepared(g, u, row_scale, beta, linear_beta, backend)
   if backend == "pallas_gpu":
-    pallas_gpu.checked_tiles(g)
     return pallas_gpu.backward(g, u, dh, row_scale, beta=beta, linear_beta=linear_beta,
                                interpret=platform.interpret("gpu"), with_h=True)
   if row_scale is None:
@@ -76,12 +82,7 @@ def value_and_grads(g: jax.Array, u: jax.Array, dh: jax.Array, beta: float,
 def situ_glu(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None = None,
              row_scale: jax.Array | None = None, *, backend: str = "auto") -> jax.Array:
   """SiTU-GLU (module docstring)."""
-  _validate(g, u, row_scale)
-  hidden = g.shape[-1]
-  backend = resolve_backend(backend, g.size // max(hidden, 1), hidden, g.dtype)
-  beta = float(beta)
-  linear_beta = None if linear_beta is None else float(linear_beta)
+  backend, beta, linear_beta = _prepared(g, u, row_scale, beta, linear_beta, backend)
   if backend == "pallas_gpu":
-    pallas_gpu.checked_tiles(g)
     return _pallas_gpu_situ_glu(g, u, row_scale, beta, linear_beta, platform.interpret("gpu"))
   return xla.situ_glu(g, u, beta, linear_beta, row_scale)
