@@ -133,7 +133,7 @@ def measure_tail(m, f, latent, experts, iters):
                                                                 backend="xla"), w, group_sizes)}
   if jax.default_backend() == "gpu":
     paths["tail:pallas_gpu"] = lambda g, u, r, w: expert_tail.situ_glu_down(
-        g, u, r, w, group_sizes, gmm=gmm, beta=BETA, linear_beta=LINEAR_BETA,
+        g, u, r, w, (group_sizes,), down=gmm, beta=BETA, linear_beta=LINEAR_BETA,
         situ_backend="pallas_gpu")
   rows, want = [], None
   for name, fn in paths.items():

@@ -63,8 +63,9 @@ def k3_full() -> ml_collections.ConfigDict:
   e.qb_mean_correction = False    # train: first move the stored bias by each expert's mean-score change
   e.backend = "auto"              # pallas_kernels.moe: auto (pallas_gpu on GPU, else ragged_dot)
   e.qb_backend = "auto"           # pallas_kernels.qb: auto (pallas_gpu on one GPU, else xla) | xla | pallas_gpu
-  # The routed experts' SiTU-GLU, pallas_kernels.situ_glu: xla | pallas_gpu | auto (the kernels
-  # on a GPU). "xla" until the kernels are timed in the step on a GPU (benchmarks/situ_glu.md).
+  # The routed and shared experts' SiTU-GLU, pallas_kernels.situ_glu: xla | pallas_gpu | auto
+  # (the kernels on a GPU). "xla" until the kernels are timed in the step on a GPU
+  # (benchmarks/situ_glu.md).
   e.situ_backend = "xla"
 
   q = m.quant = ml_collections.ConfigDict()   # MX QAT of the routed experts (docs/maths.md §7.5)

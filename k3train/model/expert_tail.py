@@ -1,6 +1,7 @@
-"""The routed experts' activation and down projection as one differentiable op.
+"""The experts' activation and down projection as one differentiable op.
 
-  y [M, ℓ] = gmm(SiTU-GLU(g, u) · r, W_down)        (g, u [M, F]; r [M]; W_down [E, F, ℓ])
+  y [M, ℓ] = gmm(SiTU-GLU(g, u) · r, W_down)        (routed: g, u [M, F]; r [M]; W_down [E, F, ℓ])
+  y [..., d] = SiTU-GLU(g, u) · W_down               (shared: g, u [..., F]; W_down [F, d])
 
 Autodiff of the two ops in a rematerialised layer runs the activation twice before its backward:
 in the forward pass, and again in the backward pass to rebuild h, which the down projection's
@@ -23,40 +24,39 @@ from pallas_kernels import situ_glu as situ_ops
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _situ_glu_down(g_mf, u_mf, row_scale_m, w_efl, group_sizes_e, gmm, beta, linear_beta,
-                   situ_backend):
-  h_mf = situ_ops.situ_glu(g_mf, u_mf, beta, linear_beta, row_scale_m, backend=situ_backend)
-  return gmm(h_mf, w_efl, group_sizes_e)
+def _situ_glu_down(g, u, row_scale, w, down_operands, down, beta, linear_beta, situ_backend):
+  h = situ_ops.situ_glu(g, u, beta, linear_beta, row_scale, backend=situ_backend)
+  return down(h, w, *down_operands)
 
 
-def _fwd(g_mf, u_mf, row_scale_m, w_efl, group_sizes_e, gmm, beta, linear_beta, situ_backend):
-  y = _situ_glu_down(g_mf, u_mf, row_scale_m, w_efl, group_sizes_e, gmm, beta, linear_beta,
-                     situ_backend)
-  return y, (g_mf, u_mf, row_scale_m, w_efl, group_sizes_e)
+def _fwd(g, u, row_scale, w, down_operands, down, beta, linear_beta, situ_backend):
+  y = _situ_glu_down(g, u, row_scale, w, down_operands, down, beta, linear_beta, situ_backend)
+  return y, (g, u, row_scale, w, down_operands)
 
 
-def _bwd(gmm, beta, linear_beta, situ_backend, residuals, dy_ml):
-  g_mf, u_mf, row_scale_m, w_efl, group_sizes_e = residuals
-  _, pull_input = jax.vjp(lambda a: gmm(a, w_efl, group_sizes_e), jnp.zeros_like(g_mf))
-  (dh_mf,) = pull_input(dy_ml)
-  h_mf, dg_mf, du_mf, dr_m = situ_ops.value_and_grads(g_mf, u_mf, dh_mf, beta, linear_beta,
-                                                      row_scale_m, backend=situ_backend)
-  _, pull_weight = jax.vjp(lambda w: gmm(h_mf, w, group_sizes_e), w_efl)
-  (dw_efl,) = pull_weight(dy_ml)
-  dr_m = None if row_scale_m is None else dr_m.astype(row_scale_m.dtype)
-  return dg_mf, du_mf, dr_m, dw_efl, None
+def _bwd(down, beta, linear_beta, situ_backend, residuals, dy):
+  g, u, row_scale, w, down_operands = residuals
+  _, pull_input = jax.vjp(lambda a: down(a, w, *down_operands), jnp.zeros_like(g))
+  (dh,) = pull_input(dy)
+  h, dg, du, dr = situ_ops.value_and_grads(g, u, dh, beta, linear_beta, row_scale,
+                                           backend=situ_backend)
+  _, pull_weight = jax.vjp(lambda b: down(h, b, *down_operands), w)
+  (dw,) = pull_weight(dy)
+  dr = None if row_scale is None else dr.astype(row_scale.dtype)
+  return dg, du, dr, dw, jax.tree.map(lambda _: None, down_operands)
 
 
 _situ_glu_down.defvjp(_fwd, _bwd)
 
 
-def situ_glu_down(g_mf: jax.Array, u_mf: jax.Array, row_scale_m: jax.Array | None,
-                  w_efl: jax.Array, group_sizes_e: jax.Array, *, gmm: Callable, beta: float,
+def situ_glu_down(g: jax.Array, u: jax.Array, row_scale: jax.Array | None, w: jax.Array,
+                  down_operands: tuple = (), *, down: Callable, beta: float,
                   linear_beta: float | None, situ_backend: str) -> jax.Array:
-  """gmm(situ_glu(g, u, β, β₂, r), W_down, group_sizes) with the backward above.
+  """down(situ_glu(g, u, β, β₂, r), W, *down_operands) with the backward above.
 
-  gmm(lhs [M, F], rhs [E, F, ℓ], group_sizes [E]) → [M, ℓ] is a differentiable grouped matmul
-  (`pallas_kernels.moe.gmm` with its backend bound); h is rounded to g's dtype, as in
-  `pallas_kernels.situ_glu.situ_glu`."""
-  return _situ_glu_down(g_mf, u_mf, row_scale_m, w_efl, group_sizes_e, gmm, float(beta),
+  down(h [..., F], W, *down_operands) is a differentiable projection, linear in h and in W: the
+  routed experts' grouped matmul (`pallas_kernels.moe.gmm` with its backend bound; the
+  operands: the group sizes [E]) or a dense one (`layers.low_precision_matmul`). The operands get
+  no gradient. h is rounded to g's dtype, as in `pallas_kernels.situ_glu.situ_glu`."""
+  return _situ_glu_down(g, u, row_scale, w, tuple(down_operands), down, float(beta),
                         None if linear_beta is None else float(linear_beta), situ_backend)

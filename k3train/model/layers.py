@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3train.model import expert_tail
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
 from pallas_kernels import platform
@@ -166,12 +167,16 @@ class Linear(nnx.Module):
     n_in = len(self.in_shape)
     if x.shape[x.ndim - n_in:] != self.in_shape:
       raise ValueError(f"Linear expects trailing dims {self.in_shape}, got input shape {x.shape}")
-    if jnp.dtype(self.dtype).itemsize < 4:
-      return low_precision_matmul(x, self.kernel[...], n_in, self.dtype)
-    lhs_contract = tuple(range(x.ndim - n_in, x.ndim))
-    rhs_contract = tuple(range(n_in))
-    return _contract(x.astype(self.dtype), self.kernel[...].astype(self.dtype), lhs_contract,
-                     rhs_contract, self.dtype)
+    return project(x, self.kernel[...], n_in, self.dtype)
+
+
+def project(x: jax.Array, kernel: jax.Array, n_in: int, dtype) -> jax.Array:
+  """x · kernel over x's trailing n_in dims, as `Linear` computes it: in `dtype` with fp32
+  accumulation (below fp32 through `low_precision_matmul`)."""
+  if jnp.dtype(dtype).itemsize < 4:
+    return low_precision_matmul(x, kernel, n_in, dtype)
+  return _contract(x.astype(dtype), kernel.astype(dtype), tuple(range(x.ndim - n_in, x.ndim)),
+                   tuple(range(n_in)), dtype)
 
 
 @jax.named_scope("norm")
@@ -211,9 +216,12 @@ class GluMLP(nnx.Module):
 
   def __init__(self, d_model: int, hidden: int, *, beta: float, linear_beta: float | None,
                std: float = 0.02, dtype=jnp.float32, param_dtype=jnp.float32,
-               in_axis: str = ax.EMBED, hidden_axis: str = ax.MLP, rngs: nnx.Rngs):
+               in_axis: str = ax.EMBED, hidden_axis: str = ax.MLP, situ_backend: str = "xla",
+               rngs: nnx.Rngs):
+    situ_glu_op.resolve_backend(situ_backend)      # fail at construction on a bad name
     self.beta = beta
     self.linear_beta = linear_beta
+    self.situ_backend = situ_backend
     kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.gate_proj = Linear((d_model,), (hidden,), (in_axis, hidden_axis), **kw)
     self.up_proj = Linear((d_model,), (hidden,), (in_axis, hidden_axis), **kw)
@@ -221,10 +229,16 @@ class GluMLP(nnx.Module):
 
   @jax.named_scope("ffn")
   def __call__(self, x: jax.Array) -> jax.Array:
-    # The xla backend: with the kernels here too the k3_h200 step needs 1.4 GiB more and XLA
-    # rematerialises to fit (benchmarks/situ_glu.md); the routed experts choose theirs by
-    # model.moe.situ_backend.
-    h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
+    g, u = self.gate_proj(x), self.up_proj(x)
+    hidden = g.shape[-1]
+    if situ_glu_op.resolve_backend(self.situ_backend, g.size // max(hidden, 1), hidden,
+                                   g.dtype) == "pallas_gpu":
+      # The activation's kernels with the down projection as one op (model/expert_tail.py).
+      down = functools.partial(project, n_in=1, dtype=self.down_proj.dtype)
+      return expert_tail.situ_glu_down(g, u, None, self.down_proj.kernel[...], down=down,
+                                       beta=self.beta, linear_beta=self.linear_beta,
+                                       situ_backend="pallas_gpu")
+    h = situ_glu(g, u, self.beta, self.linear_beta, backend=self.situ_backend)
     h = constrain(h, ax.BATCH, ax.SEQ, ax.MLP) if h.ndim == 3 else h
     return self.down_proj(h)
 

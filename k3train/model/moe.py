@@ -353,7 +353,7 @@ class RoutedExperts(nnx.Module):
       # activation's gradients, so no forward pass runs again for h (model/expert_tail.py).
       gmm = functools.partial(moe_ops.gmm, backend=self.backend)
       return expert_tail.situ_glu_down(gate_mf, up_mf, row_weights_m, down_efl.astype(self.dtype),
-                                       group_sizes_e, gmm=gmm, beta=self.beta,
+                                       (group_sizes_e,), down=gmm, beta=self.beta,
                                        linear_beta=self.linear_beta, situ_backend="pallas_gpu")
     h_mf = situ_glu(gate_mf, up_mf, self.beta, self.linear_beta, row_weights_m,
                     backend=self.situ_backend)
@@ -408,7 +408,7 @@ class StableLatentMoE(nnx.Module):
   moe_cfg fields: num_experts, top_k, latent_dim, expert_hidden, num_shared_experts,
   shared_hidden (all shared experts together, stored as one GluMLP), routed_scaling_factor,
   renormalize, latent_norm, quantile_balancing, backend (a `pallas_kernels.moe` gmm backend),
-  situ_backend (the routed experts' SiTU-GLU, a `pallas_kernels.situ_glu` backend).
+  situ_backend (the routed and shared experts' SiTU-GLU, a `pallas_kernels.situ_glu` backend).
   All weights start as N(0, init_std), the norm gain as 1 and the bias as 0.
   """
 
@@ -433,15 +433,15 @@ class StableLatentMoE(nnx.Module):
                          renormalize=moe_cfg.renormalize, std=init_std,
                          param_dtype=param_dtype, rngs=rngs)
     self.down_proj = Linear((d_model,), (latent,), (ax.EMBED, ax.LATENT), **lin)
+    situ_backend = str(getattr(moe_cfg, "situ_backend", "xla"))
     self.experts = RoutedExperts(num_experts, latent, int(moe_cfg.expert_hidden),
                                  beta=situ_beta, linear_beta=situ_linear_beta,
-                                 backend=moe_cfg.backend,
-                                 situ_backend=str(getattr(moe_cfg, "situ_backend", "xla")), **lin)
+                                 backend=moe_cfg.backend, situ_backend=situ_backend, **lin)
     self.latent_norm = (RMSNorm(latent, eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
                         if moe_cfg.latent_norm else None)
     self.up_proj = Linear((latent,), (d_model,), (ax.LATENT, ax.EMBED), **lin)
     self.shared = (GluMLP(d_model, int(moe_cfg.shared_hidden), beta=situ_beta,
-                          linear_beta=situ_linear_beta, **lin)
+                          linear_beta=situ_linear_beta, situ_backend=situ_backend, **lin)
                    if int(moe_cfg.num_shared_experts) > 0 else None)
     self.qb_pending = _expert_vector(QBPending, num_experts)
     if self.qb_mean_correction:

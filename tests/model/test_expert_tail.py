@@ -35,7 +35,7 @@ def _inputs(seed=0):
 
 def _fused(situ_backend):
   return lambda g, u, r, w, gs: expert_tail.situ_glu_down(
-      g, u, r, w, gs, gmm=GMM, beta=BETA, linear_beta=LINEAR_BETA, situ_backend=situ_backend)
+      g, u, r, w, (gs,), down=GMM, beta=BETA, linear_beta=LINEAR_BETA, situ_backend=situ_backend)
 
 
 def _composed(g, u, r, w, gs):
@@ -85,3 +85,24 @@ def test_backward_runs_no_second_forward():
   assert _activation_kernels(composed) == {"situ_glu_forward": 2, "situ_glu_backward": 1}
   assert _activation_kernels(_fused("pallas_gpu")) == {"situ_glu_forward": 1,
                                                        "situ_glu_backward": 1}
+
+
+def test_dense_projection_equals_autodiff_of_the_two_ops():
+  """The shared experts' form: a dense down projection (`layers.project`, bf16 with fp32
+  accumulation) of [B, T, F] activations without a row scale, against autodiff of the two ops."""
+  from k3train.model import layers
+  g, u, _, _, _, _ = _inputs(seed=2)
+  g, u = g.reshape(4, 16, F), u.reshape(4, 16, F)
+  w = jax.random.normal(jax.random.key(7), (F, L), F32) * 0.2          # fp32 master weight
+  dy = jax.random.normal(jax.random.key(8), (4, 16, L), F32).astype(jnp.bfloat16)
+  down = functools.partial(layers.project, n_in=1, dtype=jnp.bfloat16)
+  fused = lambda a, b, c: expert_tail.situ_glu_down(
+      a, b, None, c, down=down, beta=BETA, linear_beta=LINEAR_BETA, situ_backend="pallas_gpu")
+  composed = lambda a, b, c: down(situ_glu(a, b, BETA, LINEAR_BETA, backend="xla"), c)
+  with situ_pallas_gpu.configured(rows=16, cols=16):
+    got = jax.jit(lambda *a: (lambda y, pull: (y, *pull(dy)))(*jax.vjp(fused, *a)))(g, u, w)
+  want = jax.jit(lambda *a: (lambda y, pull: (y, *pull(dy)))(*jax.vjp(composed, *a)))(g, u, w)
+  for name, a, b in zip(("y", "dg", "du", "dw"), got, want):
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    np.testing.assert_allclose(a, b, rtol=0, atol=2.0 ** -7 * np.abs(b).max(), err_msg=name)
