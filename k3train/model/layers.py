@@ -230,9 +230,7 @@ class GluMLP(nnx.Module):
   @jax.named_scope("ffn")
   def __call__(self, x: jax.Array) -> jax.Array:
     g, u = self.gate_proj(x), self.up_proj(x)
-    hidden = g.shape[-1]
-    if situ_glu_op.resolve_backend(self.situ_backend, g.size // max(hidden, 1), hidden,
-                                   g.dtype) == "pallas_gpu":
+    if situ_glu_op.backend_for(g, self.situ_backend) == "pallas_gpu":
       # The activation's kernels with the down projection as one op (model/expert_tail.py).
       down = functools.partial(project, n_in=1, dtype=self.down_proj.dtype)
       return expert_tail.situ_glu_down(g, u, None, self.down_proj.kernel[...], down=down,

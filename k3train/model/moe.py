@@ -346,9 +346,7 @@ class RoutedExperts(nnx.Module):
       mm = lambda a, w: self._mx_gmm(a, w, group_sizes_e, *quant)
     gate_mf = remat.tag(mm(x_ml, gate_elf), remat.EXPERT_MLP)
     up_mf = remat.tag(mm(x_ml, up_elf), remat.EXPERT_MLP)
-    hidden = gate_mf.shape[-1]
-    if quant is None and situ_glu_op.resolve_backend(
-        self.situ_backend, gate_mf.size // max(hidden, 1), hidden, gate_mf.dtype) == "pallas_gpu":
+    if quant is None and situ_glu_op.backend_for(gate_mf, self.situ_backend) == "pallas_gpu":
       # The activation's kernels with the down GEMM as one op: its backward writes h beside the
       # activation's gradients, so no forward pass runs again for h (model/expert_tail.py).
       gmm = functools.partial(moe_ops.gmm, backend=self.backend)

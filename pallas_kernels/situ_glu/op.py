@@ -37,6 +37,12 @@ def resolve_backend(backend: str, num_rows: int | None = None, hidden: int | Non
   return "xla"
 
 
+def backend_for(g: jax.Array, backend: str) -> str:
+  """The backend `backend` resolves to for inputs shaped and typed like g [..., F]."""
+  hidden = g.shape[-1]
+  return resolve_backend(backend, g.size // max(hidden, 1), hidden, g.dtype)
+
+
 def _validate(g, u, row_scale) -> None:
   if g.ndim < 1 or g.shape != u.shape:
     raise ValueError(f"situ_glu: g and u must have one shape [..., F], got {g.shape} and "
@@ -52,8 +58,7 @@ def _prepared(g, u, row_scale, beta, linear_beta, backend: str):
   """Validated inputs (and, for "pallas_gpu", the kernels' tiles) → (the resolved backend, β₁
   and β₂ as Python floats)."""
   _validate(g, u, row_scale)
-  hidden = g.shape[-1]
-  backend = resolve_backend(backend, g.size // max(hidden, 1), hidden, g.dtype)
+  backend = backend_for(g, backend)
   if backend == "pallas_gpu":
     pallas_gpu.checked_tiles(g)
   return backend, float(beta), None if linear_beta is None else float(linear_beta)
