@@ -5,8 +5,8 @@
 
 Autodiff of the two ops in a rematerialised layer runs the activation twice before its backward:
 in the forward pass, and again in the backward pass to rebuild h, which the down projection's
-weight gradient reads. Here the backward first takes dh = dy · W_downᵀ (the grouped matmul's
-input gradient: linear in its input, so taken at a zero input, whose forward and weight-gradient
+weight gradient reads. Here the backward first takes dh = dy · W_downᵀ (the projection's input
+gradient: linear in its input, so taken at a zero input, whose forward and weight-gradient
 kernels XLA then drops as unused), then one pass of the activation's backward
 (`pallas_kernels.situ_glu.value_and_grads`) writes h beside dg, du and r's gradient, then
 W_down's gradient hᵀ · dy. The residuals are the op's inputs, so no forward pass runs again.
@@ -56,7 +56,7 @@ def situ_glu_down(g: jax.Array, u: jax.Array, row_scale: jax.Array | None, w: ja
 
   down(h [..., F], W, *down_operands) is a differentiable projection, linear in h and in W: the
   routed experts' grouped matmul (`pallas_kernels.moe.gmm` with its backend bound; the
-  operands: the group sizes [E]) or a dense one (`layers.low_precision_matmul`). The operands get
+  operands: the group sizes [E]) or a dense one (`layers.project`). The operands get
   no gradient. h is rounded to g's dtype, as in `pallas_kernels.situ_glu.situ_glu`."""
   return _situ_glu_down(g, u, row_scale, w, tuple(down_operands), down, float(beta),
                         None if linear_beta is None else float(linear_beta), situ_backend)

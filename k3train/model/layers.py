@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3train.model import expert_tail
+from k3train.model import remat
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
 from pallas_kernels import platform
@@ -231,11 +232,14 @@ class GluMLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     g, u = self.gate_proj(x), self.up_proj(x)
     if situ_glu_op.backend_for(g, self.situ_backend) == "pallas_gpu":
-      # The activation's kernels with the down projection as one op (model/expert_tail.py).
+      # The activation's kernels with the down projection as one op (model/expert_tail.py). Its
+      # output is a custom VJP's, which remat's dots policy does not see: tagged, so that
+      # selective remat keeps it as it keeps the plain down projection's output.
       down = functools.partial(project, n_in=1, dtype=self.down_proj.dtype)
-      return expert_tail.situ_glu_down(g, u, None, self.down_proj.kernel[...], down=down,
-                                       beta=self.beta, linear_beta=self.linear_beta,
-                                       situ_backend="pallas_gpu")
+      y = expert_tail.situ_glu_down(g, u, None, self.down_proj.kernel[...], down=down,
+                                    beta=self.beta, linear_beta=self.linear_beta,
+                                    situ_backend="pallas_gpu")
+      return remat.tag(y, remat.EXPERT_MLP)
     h = situ_glu(g, u, self.beta, self.linear_beta, backend=self.situ_backend)
     h = constrain(h, ax.BATCH, ax.SEQ, ax.MLP) if h.ndim == 3 else h
     return self.down_proj(h)

@@ -12,7 +12,10 @@
                moe_expert_mlp  the gate and up grouped-matmul outputs [rows, F] and the
                                combined latent [N, ℓ]: no expert GEMM is recomputed (the
                                routing weights ride inside the experts, so the combine's
-                               backward needs no expert outputs);
+                               backward needs no expert outputs); and the shared experts'
+                               output when their activation and down projection run as one
+                               custom-VJP op (model/expert_tail.py), which the dots policy
+                               does not see;
                kda_conv        the short-convolution outputs of q, k, v [B, T, H, K] before the
                                SiLU: the conv (shifted, document-masked sums) is not recomputed;
                attention_residuals
