@@ -40,3 +40,18 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
   while p > 1 and n % p:
     p //= 2
   return p
+
+
+# The smallest blocks the 2D elementwise Triton kernels (short_conv, situ_glu) are launched with.
+MIN_BLOCK_ROWS, MIN_BLOCK_COLS = 8, 16
+
+
+def block_2d(num_rows: int, num_cols: int, row_cap: int, col_cap: int) -> tuple[int, int] | None:
+  """(rows, cols) of one program over an [num_rows, num_cols] array: the largest powers of two
+  up to the caps that divide each, or None when either is below MIN_BLOCK_ROWS / MIN_BLOCK_COLS
+  (Triton blocks are powers of two)."""
+  rows = largest_pow2_divisor(num_rows, row_cap)
+  cols = largest_pow2_divisor(num_cols, col_cap)
+  if rows < MIN_BLOCK_ROWS or cols < MIN_BLOCK_COLS:
+    return None
+  return rows, cols

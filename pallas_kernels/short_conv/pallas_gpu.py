@@ -67,11 +67,7 @@ def tiles(num_rows: int, channels: int, settings: Settings | None = None) -> tup
   """(rows, cols) of one program for N = num_rows tokens and C channels, or None when N has no
   power-of-two divisor of 8 or more or C none of 16 or more (Triton blocks are powers of two)."""
   settings = settings or SETTINGS
-  rows = launch.largest_pow2_divisor(num_rows, settings.rows)
-  cols = launch.largest_pow2_divisor(channels, settings.cols)
-  if rows < 8 or cols < 16:
-    return None
-  return rows, cols
+  return launch.block_2d(num_rows, channels, settings.rows, settings.cols)
 
 
 def supports(num_rows: int, channels: int, settings: Settings | None = None) -> bool:

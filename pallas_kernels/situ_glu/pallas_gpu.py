@@ -62,11 +62,7 @@ def tiles(num_rows: int, hidden: int, settings: Settings | None = None) -> tuple
   """(rows, cols) of one program for N = num_rows rows and F = hidden units, or None when N has
   no power-of-two divisor of 8 or more or F none of 16 or more (Triton blocks are powers of two)."""
   settings = settings or SETTINGS
-  rows = launch.largest_pow2_divisor(num_rows, settings.rows)
-  cols = launch.largest_pow2_divisor(hidden, settings.cols)
-  if rows < 8 or cols < 16:
-    return None
-  return rows, cols
+  return launch.block_2d(num_rows, hidden, settings.rows, settings.cols)
 
 
 def supports(num_rows: int, hidden: int, dtype) -> bool:

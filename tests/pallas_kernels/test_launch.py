@@ -18,6 +18,13 @@ def test_powers_of_two_and_largest_divisor():
       assert launch.largest_pow2_divisor(n, cap) == want, (n, cap)
 
 
+def test_block_2d_takes_the_largest_dividing_powers_of_two_or_none():
+  assert launch.block_2d(131072, 768, 64, 256) == (64, 256)
+  assert launch.block_2d(96, 48, 64, 256) == (32, 16)
+  assert launch.block_2d(100, 48, 64, 256) is None          # 100 rows: largest divisor 4 < 8
+  assert launch.block_2d(64, 24, 64, 256) is None           # 24 columns: largest divisor 8 < 16
+
+
 def test_swapped_restores_settings_and_rejects_bad_values_first():
   before = pallas_gpu.SETTINGS
   with pallas_gpu.configured(rows=16, forward="kernel") as inside:
