@@ -50,7 +50,11 @@ Compile time is also split: `trace_lower_s` (tracing to a jaxpr and lowering to 
 `backend_compile_s` (XLA), and `jax_compile_events_s` (jax's own duration events: jaxpr trace,
 MLIR lowering, backend compile). `kernels` counts the fusions and custom calls the compiled
 step launches, `kernels_by_part` the same by part, and `kernels_distinct` those XLA generates
-code for (it emits identical fusions once).
+code for (it emits identical fusions once). `work_by_part` is what those kernels execute per step
+(benchmarks/hlo_costs.py, from the compiled HLO alone, loops counted by their trip counts): GEMM
+`gemm_tflop`, `other_gib` read and written by the other kernels, and `launches`. With a profile,
+`rates_by_part` divides it by the device time: each part's GEMM `gemm_tflops` and its XLA
+fusions' `fusion_tbps`, which say whether a part is slow for its work or has too much of it.
 `custom_calls` counts the step's custom calls by target, those inside fusions included (a
 Pallas or Mosaic GPU kernel that XLA copied into another fusion counts twice).
 `--compile_profile` traces the host during the compile (Python tracer off) and reports
@@ -110,6 +114,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _record  # noqa: E402
 from benchmarks import gpu_target  # noqa: E402
+from benchmarks import hlo_costs  # noqa: E402
 from k3train import cli  # noqa: E402
 
 PROG = "python benchmarks/train_step.py"
@@ -510,6 +515,18 @@ def kernels_by_part(hlo_text: str) -> dict[str, int]:
   return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+def work_by_part(hlo_text: str) -> dict:
+  """What the compiled step's kernels execute per step, by part (benchmarks/hlo_costs.py): GEMM
+  TFLOP, GiB read and written by the other kernels, kernel launches (loops unrolled by their
+  trip counts)."""
+  where = op_locations(hlo_text)
+  costs, note = hlo_costs.kernel_costs(hlo_text)
+  out = hlo_costs.totals_by_part(costs, lambda name: classify(where.get(name, "")))
+  if any(note.values()):
+    out["counts_rest_on"] = note
+  return out
+
+
 # Cross-device ops of compiled HLO, by the name XLA prints (an async pair counts once, by its start).
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")
@@ -633,28 +650,44 @@ def part_profile(trace_dir: str, hlo_text: str, steps: int, dump_prefix: str = "
   kinds = op_kinds(hlo_text)
   total = sum(times.values())
   top = sorted(times.items(), key=lambda kv: -kv[1])[:15]
+  costs, _ = hlo_costs.kernel_costs(hlo_text)
+  part_of = lambda op: classify(where.get(op, ""))
   out = {"device_ms_per_step": round(1e3 * total / steps, 2),
          **part_breakdown(times, where, kinds, steps),
+         "rates_by_part": hlo_costs.rates_by_part(
+             costs, {op: s / steps for op, s in times.items()}, part_of,
+             lambda op: kinds.get(op) in ("fusion", "copy")),
          "top_ops": [{"op": op, "ms_per_step": round(1e3 * s / steps, 2),
                       "where": where.get(op, "")[-120:]} for op, s in top],
          **idle_profile(intervals, lambda op: classify(where.get(op, "")), steps)}
   if dump_prefix:
     try:
-      dump_ops(dump_prefix, times, where, kinds, hlo_text, steps)
+      dump_ops(dump_prefix, times, where, kinds, hlo_text, steps, costs)
     except OSError as e:
       out["dump_error"] = str(e)[:200]
   return out
 
 
 def dump_ops(prefix: str, times: dict[str, float], where: dict[str, str], kinds: dict[str, str],
-             hlo_text: str, steps: int) -> None:
+             hlo_text: str, steps: int, costs: dict | None = None) -> None:
   """<prefix>_ops.json: every device op, most expensive first, with its ms per step, part, pass,
-  kind and source location; <prefix>_hlo.txt.gz: the compiled step's HLO, to read an op in
+  kind, source location and, where the HLO says (benchmarks/hlo_costs.py), its launches, GEMM
+  GFLOP and MiB moved per step; <prefix>_hlo.txt.gz: the compiled step's HLO, to read an op in
   full."""
   import gzip
+  costs = costs or {}
+
+  def work(op):
+    c = costs.get(op)
+    if c is None:
+      return {}
+    return {"launches": c.runs, "gflop": round(c.runs * c.flops / 1e9, 3),
+            "mib": round(c.runs * c.bytes / 2**20, 3)}
+
   ops = [{"op": op, "ms_per_step": round(1e3 * s / steps, 4), "part": classify(where.get(op, "")),
           "pass": pass_of(where.get(op, "")), "kind": kinds.get(op, "other"),
-          "where": where.get(op, "")} for op, s in sorted(times.items(), key=lambda kv: -kv[1])]
+          "where": where.get(op, ""), **work(op)}
+         for op, s in sorted(times.items(), key=lambda kv: -kv[1])]
   with open(prefix + "_ops.json", "w") as f:
     json.dump(ops, f, indent=0)
   with gzip.open(prefix + "_hlo.txt.gz", "wt") as f:
@@ -872,6 +905,7 @@ def compile_step(run, batch, fv, name: str):
                  "collectives": collectives_by_kind(hlo_text)}
   compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
   compile_row["kernels_distinct"] = distinct_kernels(hlo_text)
+  compile_row["work_by_part"] = work_by_part(hlo_text)
   if compile_trace:
     compile_row["compile_events"] = compile_events(compile_trace)
   if profiler is not None:

@@ -200,10 +200,11 @@ def quantile_balancing_bias(scores_te: jax.Array, bias_e: jax.Array, token_mask_
 
 def count_expert_load(idx_tk: jax.Array, token_mask_t: jax.Array, num_experts: int) -> jax.Array:
   """load_e [E] fp32: (token, expert) pairs per expert, counting real tokens only."""
-  # Integer counting (padding pairs go to an overflow bin that is dropped), so counts are exact.
+  # Integer counting (padding pairs get the id num_experts, which no bin counts), so counts are
+  # exact; a reduction, not a scatter-add (moe_ops.count_ids).
   real_tk = jnp.broadcast_to(token_mask_t.reshape(-1, 1).astype(bool), idx_tk.shape)
-  idx = jnp.where(real_tk, idx_tk, num_experts).reshape(-1)
-  return jnp.bincount(idx, length=num_experts + 1)[:num_experts].astype(jnp.float32)
+  idx = jnp.where(real_tk, idx_tk.astype(jnp.int32), num_experts)
+  return moe_ops.count_ids(idx, num_experts).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- MX QAT settings

@@ -3,10 +3,11 @@
 
 gmm backends (BACKENDS): "reference", "ragged_dot", "pallas_gpu", "pallas_tpu" and "auto"; see op.py.
 `gmm_mx`: the grouped matmul on MX operands (MXFP8 activations, MXFP4 weights), MX_BACKENDS.
+`count_ids`: rows per expert (group sizes, expert load) as a reduction, not a scatter-add.
 """
 
-from pallas_kernels.moe.op import (BACKENDS, MX_BACKENDS, combine, combine_scaled, dispatch, gmm,
-                                   gmm_mx, resolve_backend, sorted_pair_weights)
+from pallas_kernels.moe.op import (BACKENDS, MX_BACKENDS, combine, combine_scaled, count_ids, dispatch,
+                                   gmm, gmm_mx, resolve_backend, sorted_pair_weights)
 
-__all__ = ["BACKENDS", "MX_BACKENDS", "combine", "combine_scaled", "dispatch", "gmm", "gmm_mx",
+__all__ = ["BACKENDS", "MX_BACKENDS", "combine", "combine_scaled", "count_ids", "dispatch", "gmm", "gmm_mx",
            "resolve_backend", "sorted_pair_weights"]

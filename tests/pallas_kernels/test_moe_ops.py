@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,6 +149,25 @@ def test_dispatch_layout():
   for e in range(E):                                                       # stable within expert
     assert np.all(np.diff(np.asarray(perm)[expert_sorted == e]) > 0)
   np.testing.assert_array_equal(x_sorted, np.asarray(x)[np.asarray(perm) // TOPK])
+
+
+@pytest.mark.parametrize("shape, bins", [((4096, 8), 64), ((7, 3), 5), ((1,), 1)])
+def test_count_ids_equals_bincount_and_drops_ids_out_of_range(shape, bins):
+  ids = np.random.default_rng(sum(shape)).integers(-2, bins + 3, size=shape).astype(np.int32)
+  counts = jax.jit(moe_ops.count_ids, static_argnums=1)(jnp.asarray(ids), bins)
+  kept = ids[(ids >= 0) & (ids < bins)]
+  assert counts.dtype == jnp.int32
+  np.testing.assert_array_equal(counts, np.bincount(kept, minlength=bins))
+
+
+def test_count_ids_compiles_to_a_reduction_not_a_scatter():
+  """The point of count_ids: no scatter-add (serialised atomics on a GPU) in the compiled code."""
+  ids = jnp.zeros((4096, 8), jnp.int32)
+  hlo = jax.jit(moe_ops.count_ids, static_argnums=1).lower(ids, 64).compile().as_text()
+  assert "scatter" not in hlo and "reduce" in hlo
+  hlo_dispatch = jax.jit(moe_ops.dispatch, static_argnums=2).lower(
+      jnp.zeros((512, 16)), jnp.zeros((512, 8), jnp.int32), 64).compile().as_text()
+  assert not re.search(r"s32\[64\][^=]*scatter", hlo_dispatch)      # group sizes [64]: no scatter
 
 
 def _sorted_expert_ids(group_sizes_e):
