@@ -4,7 +4,7 @@ Read from the optimised HLO text alone, so it works for a step compiled without 
 (`train_step.py --compile_for`) as well as beside a profile:
 
 - Launches. A kernel (`_record.kernel_lines`: a fusion or custom call outside fused
-  computations) runs once per run of the computation that holds it. The entry computation runs
+  computations, buffer allocations aside) runs once per run of the computation that holds it. The entry computation runs
   once; a while loop's body and condition run its `known_trip_count` times (n + 1 for the
   condition) per run of the loop; a call's (and a command buffer's) computation once per call; a
   conditional's branches are counted as if each ran every time (an upper bound, reported apart).
@@ -60,7 +60,7 @@ class KernelCost:
   runs: float
   flops: float
   bytes: float
-  kind: str              # "gemm" | "other"
+  kind: str              # "gemm" | "kernel" (other custom calls: Pallas, cuDNN, …) | "fusion" (XLA's)
 
 
 def shape_bytes(shape: str, skip_workspace: bool = False) -> float:
@@ -158,8 +158,10 @@ def _gemm_flops(ins: Instruction, by_name, by_comp) -> float:
     contracted = [int(x.strip().strip('"')) for x in numbers.group(1).split(",") if x.strip()]
     out = _dims(ins.shape)
   else:
-    callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attributes)
-    dots = [d for d in by_comp.get(callee.group(1) if callee else "", ()) if d.op == "dot"]
+    inner = [x for x in _called(ins, by_comp) if _is_cublas(x)]
+    if inner:
+      return _gemm_flops(inner[0], by_name, by_comp)
+    dots = [d for d in _called(ins, by_comp) if d.op == "dot"]
     if not dots:
       return 0.0
     dot = dots[0]
@@ -240,17 +242,19 @@ def kernel_costs(hlo_text: str) -> tuple[dict[str, KernelCost], dict]:
   by_comp, by_name, entry = parse(hlo_text)
   runs, branchy = computation_runs(by_comp, entry)
   home = {ins.name: comp for comp, body in by_comp.items() for ins in body}
-  kinds = _gemm_kinds(by_name)
+  kinds = _gemm_kinds(by_name, by_comp)
   costs, under_conditional = {}, 0
   for name, _ in _record.kernel_lines(hlo_text):
     ins = by_name.get(name)
     comp = home.get(name)
-    if ins is None or comp not in runs:
-      continue
+    if ins is None or comp not in runs or 'custom_call_target="AllocateBuffer"' in ins.attributes:
+      continue                     # an allocation for a loop's buffers: no code, no traffic
     flops = _gemm_flops(ins, by_name, by_comp) if name in kinds else 0.0
     moved = (_fusion_bytes(ins, by_name, by_comp) if ins.op == "fusion" and name not in kinds
              else _plain_bytes(ins, by_name))
-    costs[name] = KernelCost(runs[comp], flops, moved, "gemm" if flops else "other")
+    kind = ("gemm" if name in kinds else
+            "kernel" if ins.op == "custom-call" or _wraps_custom_call(ins, by_comp) else "fusion")
+    costs[name] = KernelCost(runs[comp], flops, moved, kind)
     under_conditional += comp in branchy
   unknown = sum(1 for body in by_comp.values() for ins in body
                 if ins.op == "while" and "known_trip_count" not in ins.attributes)
@@ -258,34 +262,55 @@ def kernel_costs(hlo_text: str) -> tuple[dict[str, KernelCost], dict]:
                  "loops_without_trip_count": unknown}
 
 
-def _gemm_kinds(by_name) -> set[str]:
-  """Names of cuBLAS GEMM calls and XLA GEMM fusions (Triton or cuBLAS backed)."""
+def _called(ins: Instruction, by_comp) -> list[Instruction]:
+  callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attributes)
+  return by_comp.get(callee.group(1), []) if callee else []
+
+
+def _is_cublas(ins: Instruction) -> bool:
+  return ins.op == "custom-call" and 'custom_call_target="__cublas' in ins.attributes
+
+
+def _wraps_custom_call(ins: Instruction, by_comp) -> bool:
+  """A fusion around a library or hand-written kernel (XLA's dynamic-slice fusions wrap cuBLAS,
+  CUB and Mosaic GPU calls to address slices of their operands)."""
+  return ins.op == "fusion" and any(x.op == "custom-call" for x in _called(ins, by_comp))
+
+
+def _gemm_kinds(by_name, by_comp) -> set[str]:
+  """Names of cuBLAS GEMM calls, XLA GEMM fusions (Triton or cuBLAS backed) and fusions that
+  wrap a cuBLAS call."""
   out = set()
   for name, ins in by_name.items():
-    if ins.op == "custom-call" and re.search(r'custom_call_target="__cublas', ins.attributes):
+    if _is_cublas(ins):
       out.add(name)
-    elif ins.op == "fusion" and re.search(r'"kind"\s*:\s*"__\w*gemm\w*"', ins.attributes):
+    elif ins.op == "fusion" and (re.search(r'"kind"\s*:\s*"__\w*gemm\w*"', ins.attributes) or
+                                 any(_is_cublas(x) for x in _called(ins, by_comp))):
       out.add(name)
   return out
 
 
 def totals_by_part(costs: dict[str, KernelCost], part_of) -> dict:
-  """Per part: GEMM TFLOP, GiB moved by its non-GEMM kernels, and launches, per module run."""
-  acc = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+  """Per part, per module run: GEMM TFLOP, GiB moved by XLA's fusions and by the other
+  (hand-written) kernels, and kernel launches."""
+  acc = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
   for name, c in costs.items():
     a = acc[part_of(name)]
     a[0] += c.runs * c.flops
-    a[1] += c.runs * c.bytes if c.kind != "gemm" else 0.0
-    a[2] += c.runs
-  order = sorted(acc, key=lambda p: -(acc[p][0] / 1e12 + acc[p][1] / 2**30))
-  return {p: {"gemm_tflop": round(acc[p][0] / 1e12, 2), "other_gib": round(acc[p][1] / 2**30, 2),
-              "launches": int(acc[p][2])} for p in order}
+    a[1] += c.runs * c.bytes if c.kind == "fusion" else 0.0
+    a[2] += c.runs * c.bytes if c.kind == "kernel" else 0.0
+    a[3] += c.runs
+  order = sorted(acc, key=lambda p: -(acc[p][0] / 1e12 + (acc[p][1] + acc[p][2]) / 2**30))
+  return {p: {"gemm_tflop": round(acc[p][0] / 1e12, 2), "fusion_gib": round(acc[p][1] / 2**30, 2),
+              "kernel_gib": round(acc[p][2] / 2**30, 2), "launches": int(acc[p][3])}
+          for p in order}
 
 
 def rates_by_part(costs: dict[str, KernelCost], seconds: dict[str, float], part_of,
                   is_xla_fusion) -> dict:
   """Per part, from a profile's device seconds per op over the same number of module runs as
-  `costs` counts: the GEMMs' TFLOP/s and the XLA fusions' TB/s (bytes from the HLO)."""
+  `costs` counts: the GEMMs' TFLOP/s and the XLA fusions' TB/s (bytes from the HLO).
+  is_xla_fusion(name) picks the ops whose bandwidth is reported (the profile's own kinds)."""
   acc = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
   for name, s in seconds.items():
     c = costs.get(name)
@@ -295,7 +320,7 @@ def rates_by_part(costs: dict[str, KernelCost], seconds: dict[str, float], part_
     if c.kind == "gemm":
       a[0] += c.runs * c.flops
       a[1] += s
-    elif is_xla_fusion(name):
+    elif c.kind != "kernel" and is_xla_fusion(name):
       a[2] += c.runs * c.bytes
       a[3] += s
   out = {}
@@ -311,28 +336,28 @@ def rates_by_part(costs: dict[str, KernelCost], seconds: dict[str, float], part_
 
 
 def main(argv=None) -> int:
-  """python -m benchmarks.hlo_costs HLO_TEXT[.gz] [OPS_JSON]: totals by part, and with a
-  `--dump_dir` op list of the same module (train_step.py `dump_ops`) the rates by part."""
+  """python -m benchmarks.hlo_costs HLO_TEXT[.gz] [OPS_JSON]: the work by part of a compiled
+  module (parts as train_step.py assigns them) and, with the `--dump_dir` op list of a profile of
+  that module (train_step.py `dump_ops`: ms per step and kind per op), the rates by part."""
   import gzip
   import sys
+  from benchmarks import train_step
   args = sys.argv[1:] if argv is None else argv
   opener = gzip.open if args[0].endswith(".gz") else open
   with opener(args[0], "rt") as f:
     text = f.read()
   costs, note = kernel_costs(text)
-  parts = {}
+  where = train_step.op_locations(text)
+  part_of = lambda name: train_step.classify(where.get(name, ""))
+  out = {"totals": totals_by_part(costs, part_of), **note}
   if len(args) > 1:
     with open(args[1]) as f:
       ops = json.load(f)
-    parts = {o["op"]: o["part"] for o in ops}
     kinds = {o["op"]: o["kind"] for o in ops}
     seconds = {o["op"]: o["ms_per_step"] * 1e-3 for o in ops}
-    part_of = lambda name: parts.get(name, "other")
-    print(json.dumps({"totals": totals_by_part(costs, part_of), **note,
-                      "rates": rates_by_part(costs, seconds, part_of,
-                                             lambda n: kinds.get(n) in ("fusion", "copy"))}))
-  else:
-    print(json.dumps({"totals": totals_by_part(costs, lambda name: "all"), **note}))
+    out["rates"] = rates_by_part(costs, seconds, part_of,
+                                 lambda n: kinds.get(n) in ("fusion", "copy"))
+  print(json.dumps(out))
   return 0
 
 

@@ -50,11 +50,12 @@ Compile time is also split: `trace_lower_s` (tracing to a jaxpr and lowering to 
 `backend_compile_s` (XLA), and `jax_compile_events_s` (jax's own duration events: jaxpr trace,
 MLIR lowering, backend compile). `kernels` counts the fusions and custom calls the compiled
 step launches, `kernels_by_part` the same by part, and `kernels_distinct` those XLA generates
-code for (it emits identical fusions once). `work_by_part` is what those kernels execute per step
-(benchmarks/hlo_costs.py, from the compiled HLO alone, loops counted by their trip counts): GEMM
-`gemm_tflop`, `other_gib` read and written by the other kernels, and `launches`. With a profile,
-`rates_by_part` divides it by the device time: each part's GEMM `gemm_tflops` and its XLA
-fusions' `fusion_tbps`, which say whether a part is slow for its work or has too much of it.
+code for (it emits identical fusions once). `work_by_part` is what those kernels execute per
+step (benchmarks/hlo_costs.py, from the compiled HLO alone, loops counted by their trip counts):
+`gemm_tflop`, the GiB read and written by XLA's fusions (`fusion_gib`) and by the hand-written
+kernels (`kernel_gib`), and `launches`. With a profile, `rates_by_part` divides it by the device
+time: each part's GEMM `gemm_tflops` and its XLA fusions' `fusion_tbps`, which say whether a
+part is slow for its work or has too much of it.
 `custom_calls` counts the step's custom calls by target, those inside fusions included (a
 Pallas or Mosaic GPU kernel that XLA copied into another fusion counts twice).
 `--compile_profile` traces the host during the compile (Python tracer off) and reports

@@ -47,6 +47,7 @@ ATTENTION_BACKENDS = attention_op.BACKENDS
 ATTNRES_BACKENDS = attnres_op.BACKENDS
 QB_BACKENDS = qb_op.BACKENDS
 SITU_GLU_BACKENDS = situ_glu_op.BACKENDS
+MOE_GATHERS = moe_ops.GATHERS
 QAT_GEMMS = ("auto", "fake_quant", "mx")     # model.quant.gemm (k3train/model/moe.py)
 # `data` keys that may change between curriculum stages (and so between a checkpoint and the run
 # restoring it): the data iterator re-plans them without losing its place in any source.
@@ -200,6 +201,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            f"must be one of {QB_BACKENDS}, got {e.qb_backend!r}")
   _require(e.situ_backend in SITU_GLU_BACKENDS, "model.moe.situ_backend",
            f"must be one of {SITU_GLU_BACKENDS}, got {e.situ_backend!r}")
+  _require(e.gather_backend in MOE_GATHERS, "model.moe.gather_backend",
+           f"must be one of {MOE_GATHERS}, got {e.gather_backend!r}")
   _validate_quant(m)
 
   _require(m.mtp.loss_weight >= 0, "model.mtp.loss_weight", f"must be >= 0, got {m.mtp.loss_weight}")

@@ -67,6 +67,10 @@ def k3_full() -> ml_collections.ConfigDict:
   # (the kernels on a GPU). "xla" until the kernels are timed in the step on a GPU
   # (benchmarks/situ_glu.md).
   e.situ_backend = "xla"
+  # Who copies the dispatch's token rows into expert order, pallas_kernels.moe.GATHERS: xla |
+  # pallas_gpu (a row-copy kernel) | auto (the kernel on a GPU). "xla" until the kernel is timed
+  # in the step on a GPU (benchmarks/train_step.md).
+  e.gather_backend = "xla"
 
   q = m.quant = ml_collections.ConfigDict()   # MX QAT of the routed experts (docs/maths.md §7.5)
   q.enabled = False               # K3 pre-trains in bf16; QAT is switched on for SFT / RL

@@ -225,6 +225,12 @@ def test_unknown_situ_backend():
   expect_error(cfg, "model.moe.situ_backend", "triton")
 
 
+def test_unknown_gather_backend():
+  cfg = full()
+  cfg.model.moe.gather_backend = "triton"
+  expect_error(cfg, "model.moe.gather_backend", "triton")
+
+
 def test_shared_hidden_not_divisible():
   cfg = full()
   cfg.model.moe.shared_hidden = 6145

@@ -407,7 +407,8 @@ class StableLatentMoE(nnx.Module):
   moe_cfg fields: num_experts, top_k, latent_dim, expert_hidden, num_shared_experts,
   shared_hidden (all shared experts together, stored as one GluMLP), routed_scaling_factor,
   renormalize, latent_norm, quantile_balancing, backend (a `pallas_kernels.moe` gmm backend),
-  situ_backend (the routed and shared experts' SiTU-GLU, a `pallas_kernels.situ_glu` backend).
+  situ_backend (the routed and shared experts' SiTU-GLU, a `pallas_kernels.situ_glu` backend),
+  gather_backend (who copies the dispatch's rows, `pallas_kernels.moe.GATHERS`).
   All weights start as N(0, init_std), the norm gain as 1 and the bias as 0.
   """
 
@@ -424,6 +425,10 @@ class StableLatentMoE(nnx.Module):
     self.qb_rounds = int(getattr(moe_cfg, "qb_rounds", 0)) if self.quantile_balancing else 0
     self.qb_training_rule = self.qb_mean_correction or self.qb_rounds > 0
     self.qb_backend = str(getattr(moe_cfg, "qb_backend", "auto"))
+    self.gather_backend = str(getattr(moe_cfg, "gather_backend", "xla"))
+    if self.gather_backend not in moe_ops.GATHERS:
+      raise ValueError(f"model.moe.gather_backend: unknown {self.gather_backend!r}; allowed: "
+                       f"{moe_ops.GATHERS}")
     self.dtype = dtype
     lin = dict(std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -521,7 +526,7 @@ class StableLatentMoE(nnx.Module):
       r_btl = expert_parallel.routed_experts(
           x_nl.reshape(b, t, -1), weights_nk.reshape(b, t, -1), idx_nk.reshape(b, t, -1),
           num_experts=self.num_experts, expert_fn=self.experts.apply,
-          expert_weights=self.experts.weights())
+          expert_weights=self.experts.weights(), gather=self.gather_backend)
     # Kept under selective remat (a [N, ℓ] row per token): the latent norm's backward reads it,
     # and with the routing weights applied inside the experts nothing else needs the expert
     # outputs, so the down GEMM is not run again.

@@ -52,13 +52,13 @@ def resolve_exchange(exchange: str) -> str:
 
 
 def local_routed_experts(x_nl, weights_nk, idx_nk, num_experts: int, expert_fn: ExpertFn,
-                         expert_weights) -> jax.Array:
+                         expert_weights, gather: str = "xla") -> jax.Array:
   """Single-device dropless path: dispatch → grouped expert MLP (rows weighted inside) → sum.
-  Returns [n, ℓ]."""
-  x_sorted, group_sizes, perm = moe_ops.dispatch(x_nl, idx_nk, num_experts)
+  Returns [n, ℓ]. gather: who copies the dispatch's rows (moe_ops.GATHERS)."""
+  x_sorted, group_sizes, perm = moe_ops.dispatch(x_nl, idx_nk, num_experts, gather=gather)
   w_sorted = moe_ops.sorted_pair_weights(weights_nk, perm)
   y_sorted = expert_fn(x_sorted, group_sizes, *expert_weights, w_sorted)
-  return moe_ops.combine_scaled(y_sorted, perm, idx_nk.shape[1])
+  return moe_ops.combine_scaled(y_sorted, perm, idx_nk.shape[1], gather=gather)
 
 
 def _exclusive_cumsum(x):
@@ -76,7 +76,7 @@ def _segment_of(sizes_s, count: int):
 
 
 def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_axes, f_axes,
-              ep: int, exchange: str, expert_fn: ExpertFn):
+              ep: int, exchange: str, expert_fn: ExpertFn, gather: str):
   """Per-device body of the expert-parallel shard_map (see the module docstring)."""
   b, t, latent = x_btl.shape
   k = idx_btk.shape[-1]
@@ -86,7 +86,8 @@ def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_
   me = jax.lax.axis_index(e_axes)
   x_nl = x_btl.reshape(n, latent)
 
-  x_sorted, group_sizes_e, perm = moe_ops.dispatch(x_nl, idx_btk.reshape(n, k), num_experts)
+  x_sorted, group_sizes_e, perm = moe_ops.dispatch(x_nl, idx_btk.reshape(n, k), num_experts,
+                                                   gather=gather)
   w_sorted = moe_ops.sorted_pair_weights(weights_btk.reshape(n, k), perm)
   sizes_de = group_sizes_e.reshape(ep, e_local)                   # my pairs per (dest, its expert)
   send_d = jnp.sum(sizes_de, axis=1)
@@ -137,7 +138,7 @@ def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_
     rows = jnp.where(dest_i < ep, dest_i * cap + slot_i, 0)
     y_sorted = jnp.where((dest_i < ep)[:, None], jnp.take(back, rows, axis=0), 0)
 
-  r_nl = moe_ops.combine_scaled(y_sorted, perm, k)
+  r_nl = moe_ops.combine_scaled(y_sorted, perm, k, gather=gather)
   if f_axes:
     r_nl = jax.lax.psum(r_nl, f_axes)
   return r_nl.reshape(b, t, latent)
@@ -145,12 +146,13 @@ def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_
 
 def routed_experts(x_btl: jax.Array, weights_btk: jax.Array, idx_btk: jax.Array, *,
                    num_experts: int, expert_fn: ExpertFn, expert_weights: tuple,
-                   exchange: str | None = None) -> jax.Array:
+                   exchange: str | None = None, gather: str = "xla") -> jax.Array:
   """r [B, T, ℓ] = Σ_j w_j E_{idx_j}(x) over each token's k experts, dropless, on any layout.
 
   expert_weights: (gate [E, ℓ, F], up [E, ℓ, F], down [E, F, ℓ]) as arrays; expert_fn runs the
   expert MLP on expert-sorted rows with (local) weights. exchange: see `EXCHANGES`; None takes
-  the layout's `expert_exchange` option (default "auto").
+  the layout's `expert_exchange` option (default "auto"). gather: who copies the dispatch's rows
+  (moe_ops.GATHERS).
   """
   exchange = rules_lib.option("expert_exchange", "auto") if exchange is None else exchange
   b, t, latent = x_btl.shape
@@ -163,7 +165,8 @@ def routed_experts(x_btl: jax.Array, weights_btk: jax.Array, idx_btk: jax.Array,
     ep = rules_lib.axis_size(mesh, e_axes)
   if layout is None or (ep == 1 and not f_axes and not b_axes and not t_axes):
     r = local_routed_experts(x_btl.reshape(b * t, latent), weights_btk.reshape(b * t, -1),
-                             idx_btk.reshape(b * t, -1), num_experts, expert_fn, expert_weights)
+                             idx_btk.reshape(b * t, -1), num_experts, expert_fn, expert_weights,
+                             gather)
     return r.reshape(b, t, latent)
   if num_experts % ep:
     raise ValueError(f"model.moe.num_experts={num_experts} is not divisible by the {ep} devices "
@@ -174,11 +177,12 @@ def routed_experts(x_btl: jax.Array, weights_btk: jax.Array, idx_btk: jax.Array,
   w_in, w_out = sp(e_axes, (), f_axes), sp(e_axes, f_axes, ())
   if ep > 1:
     body = functools.partial(_ep_local, num_experts=num_experts, e_axes=e_axes, f_axes=f_axes,
-                             ep=ep, exchange=resolve_exchange(exchange), expert_fn=expert_fn)
+                             ep=ep, exchange=resolve_exchange(exchange), expert_fn=expert_fn,
+                             gather=gather)
   else:   # no exchange: local experts; only a tensor-split hidden dim needs its psum
     def body(x, w, i, *ew):
       r = local_routed_experts(x.reshape(-1, latent), w.reshape(-1, w.shape[-1]),
-                               i.reshape(-1, i.shape[-1]), num_experts, expert_fn, ew)
+                               i.reshape(-1, i.shape[-1]), num_experts, expert_fn, ew, gather)
       return (jax.lax.psum(r, f_axes) if f_axes else r).reshape(x.shape)
   return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out),
                        out_specs=tok, check_vma=False)(x_btl, weights_btk, idx_btk, *expert_weights)

@@ -162,7 +162,7 @@ def gmm_mx(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, lhs_codes:
   return impl(lhs, rhs, group_sizes, lhs_codes, lhs_scales, rhs_packed, rhs_scales)
 
 
-def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int
+def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int, *, gather: str = "xla"
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Sort the (token, expert) pairs by expert and gather the token rows into that order.
 
@@ -171,13 +171,14 @@ def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int
   within one expert tokens keep their order) and x_sorted[i] = x[perm[i] // k]. Dropless: every
   pair gets a row, group_sizes[e] = #pairs routed to e. The gradient wrt x sums each token's k
   row cotangents in fp32 by a gather through the inverse permutation (permute.py: no scatter).
+  `gather`: who copies the rows (permute.GATHERS).
   """
   num_tokens, top_k = expert_idx.shape
   if x.shape[0] != num_tokens:
     raise ValueError(f"dispatch: x has {x.shape[0]} tokens, expert_idx {num_tokens}")
   expert_p = expert_idx.reshape(num_tokens * top_k).astype(jnp.int32)
   perm_p = jnp.argsort(expert_p, stable=True).astype(jnp.int32)
-  x_sorted_pd = permute.sort_rows(x, perm_p, top_k)
+  x_sorted_pd = permute.sort_rows(x, perm_p, top_k, permute.resolve_gather(gather))
   group_sizes_e = count_ids(expert_p, num_experts)
   return x_sorted_pd, group_sizes_e, perm_p
 
@@ -226,15 +227,18 @@ def sorted_pair_weights(weights: jax.Array, perm: jax.Array) -> jax.Array:
   return permute.sort_pairs(weights.astype(jnp.float32), perm)
 
 
-def combine_scaled(y_sorted: jax.Array, perm: jax.Array, top_k: int) -> jax.Array:
+def combine_scaled(y_sorted: jax.Array, perm: jax.Array, top_k: int, *,
+                   gather: str = "xla") -> jax.Array:
   """`combine` for expert outputs that already carry their pair's weight (rows scaled inside the
   expert, before its last GEMM): y[t] = Σ_j y_sorted[row of pair (t, j)], summed in fp32 and cast
   to y_sorted's dtype.
 
   The weights' gradient then comes from the expert's own backward (a row dot product of
   quantities it already holds), so the backward needs no copy of the expert outputs: under
-  selective remat the last expert GEMM is not run again (docs/maths.md §5.1)."""
+  selective remat the last expert GEMM is not run again (docs/maths.md §5.1). `gather`: who
+  copies the gradient's rows (permute.GATHERS)."""
   if perm.shape != (y_sorted.shape[0],) or y_sorted.shape[0] % top_k:
     raise ValueError(f"combine_scaled: y_sorted {y_sorted.shape}, perm {perm.shape} and "
                      f"top_k={top_k} disagree")
-  return permute.unsort_add(y_sorted, perm, top_k).astype(y_sorted.dtype)
+  return permute.unsort_add(y_sorted, perm, top_k,
+                            permute.resolve_gather(gather)).astype(y_sorted.dtype)

@@ -21,6 +21,12 @@ Each row gather reads its source k times and computes its row index once per ele
 are materialised first (`_gather_source`, `_token_rows`): left to itself XLA fuses the source's
 producer (a norm's backward, a cast) and jnp's floor division into the gather and recomputes
 them for every element of every gathered row.
+
+`gather` (GATHERS) picks who copies the rows of the plain row gathers (sort_rows, and the
+gradient of unsort_add): "xla" (a gather XLA fuses), "pallas_gpu" (pallas_gpu_rows.py: whole
+rows in 16-byte vectors; interpret mode off a GPU) or "auto" (pallas_gpu on a GPU). The values
+are the same bits either way; the gathers that feed a reduction (`_sum_pairs`) stay XLA's, which
+fuses them into the sum.
 """
 
 from __future__ import annotations
@@ -30,6 +36,20 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels import platform
+from pallas_kernels.moe import pallas_gpu_rows
+
+GATHERS = ("xla", "pallas_gpu", "auto")
+
+
+def resolve_gather(gather: str) -> str:
+  """"auto": "pallas_gpu" on a GPU, else "xla"; unknown names are refused."""
+  if gather not in GATHERS:
+    raise ValueError(f"moe row gather: unknown backend {gather!r}; allowed: {', '.join(GATHERS)}")
+  if gather == "auto":
+    return "pallas_gpu" if platform.current() == "gpu" else "xla"
+  return gather
 
 
 def inverse_permutation(perm_p: jax.Array) -> jax.Array:
@@ -51,8 +71,11 @@ def _token_rows(perm_p, top_k: int):
   return lax.optimization_barrier(lax.div(perm_p, jnp.asarray(top_k, perm_p.dtype)))
 
 
-def _rows(x, idx):
-  # Indices come from a permutation of range(rows): in bounds by construction, no fill select.
+def _rows(x, idx, gather: str = "xla"):
+  """x[idx] along the first axis. Indices come from a permutation of range(rows): in bounds by
+  construction, no fill select."""
+  if resolve_gather(gather) == "pallas_gpu" and pallas_gpu_rows.supports(x, idx):
+    return pallas_gpu_rows.gather_rows(x, idx, interpret=platform.interpret("gpu"))
   return x.at[idx].get(mode="promise_in_bounds")
 
 
@@ -64,18 +87,18 @@ def _sum_pairs(y_sorted_pd, inv_p, top_k: int, weights_tk=None) -> jax.Array:
   return jnp.sum(y_tkd, axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def sort_rows(x_td: jax.Array, perm_p: jax.Array, top_k: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def sort_rows(x_td: jax.Array, perm_p: jax.Array, top_k: int, gather: str = "xla") -> jax.Array:
   """x_sorted [T·k, D] with x_sorted[i] = x[perm[i] // top_k]."""
-  return _rows(_gather_source(x_td), _token_rows(perm_p, top_k))
+  return _rows(_gather_source(x_td), _token_rows(perm_p, top_k), gather)
 
 
-def _sort_rows_fwd(x_td, perm_p, top_k):
+def _sort_rows_fwd(x_td, perm_p, top_k, gather):
   # A zero-size array carries x's dtype (residuals must be arrays) for the gradient's cast.
-  return sort_rows(x_td, perm_p, top_k), (perm_p, jnp.zeros((0,), x_td.dtype))
+  return sort_rows(x_td, perm_p, top_k, gather), (perm_p, jnp.zeros((0,), x_td.dtype))
 
 
-def _sort_rows_bwd(top_k, residuals, g_sorted_pd):
+def _sort_rows_bwd(top_k, gather, residuals, g_sorted_pd):
   perm_p, like = residuals
   dx_td = _sum_pairs(g_sorted_pd, inverse_permutation(perm_p), top_k).astype(like.dtype)
   return dx_td, None
@@ -110,21 +133,24 @@ def _unsort_sum_bwd(residuals, dy_td):
 unsort_sum.defvjp(_unsort_sum_fwd, _unsort_sum_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def unsort_add(y_sorted_pd: jax.Array, perm_p: jax.Array, top_k: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def unsort_add(y_sorted_pd: jax.Array, perm_p: jax.Array, top_k: int,
+               gather: str = "xla") -> jax.Array:
   """y [T, D] fp32 with y[t] = Σ_j y_sorted[row of pair (t, j)]: the unweighted combine, for rows
-  that already carry their pair's weight. Needs no residual but the permutation."""
+  that already carry their pair's weight. Needs no residual but the permutation; `gather` picks
+  who copies its gradient's rows."""
   return _sum_pairs(y_sorted_pd, inverse_permutation(perm_p), top_k)
 
 
-def _unsort_add_fwd(y_sorted_pd, perm_p, top_k):
-  return unsort_add(y_sorted_pd, perm_p, top_k), (perm_p, jnp.zeros((0,), y_sorted_pd.dtype))
+def _unsort_add_fwd(y_sorted_pd, perm_p, top_k, gather):
+  return (unsort_add(y_sorted_pd, perm_p, top_k, gather),
+          (perm_p, jnp.zeros((0,), y_sorted_pd.dtype)))
 
 
-def _unsort_add_bwd(top_k, residuals, dy_td):
+def _unsort_add_bwd(top_k, gather, residuals, dy_td):
   perm_p, like = residuals
   # Rounded before the gather (the same values as rounding each gathered row): half the bytes.
-  return _rows(_gather_source(dy_td.astype(like.dtype)), _token_rows(perm_p, top_k)), None
+  return _rows(_gather_source(dy_td.astype(like.dtype)), _token_rows(perm_p, top_k), gather), None
 
 
 unsort_add.defvjp(_unsort_add_fwd, _unsort_add_bwd)

@@ -79,6 +79,7 @@ def test_gpu_module_kernels_run_per_trip_and_count_their_work():
   # The in-place update reads one row of q1 (64 B) and the index (4 B), not the buffer it
   # updates, and writes its one-row update (64 B).
   assert costs["upd"].flops == 0 and costs["upd"].bytes == 64 + 4 + 64
+  assert costs["upd"].kind == "fusion"
 
 
 def test_totals_and_rates_by_part_add_runs_times_work():
@@ -86,8 +87,8 @@ def test_totals_and_rates_by_part_add_runs_times_work():
   part = {"gemm": "head", "tgemm": "head", "upd": "attnres"}.get
   totals = hlo_costs.totals_by_part(costs, part)
   gemm_flop = 12 * (2 * 32 * 16 * 64 + 2 * 64 * 16 * 32)
-  assert totals["head"] == {"gemm_tflop": round(gemm_flop / 1e12, 2), "other_gib": 0.0,
-                            "launches": 24}
+  assert totals["head"] == {"gemm_tflop": round(gemm_flop / 1e12, 2), "fusion_gib": 0.0,
+                            "kernel_gib": 0.0, "launches": 24}
   assert totals["attnres"]["launches"] == 12
   rates = hlo_costs.rates_by_part(costs, {"gemm": 1e-6, "tgemm": 1e-6, "upd": 12 * 132e-12},
                                   part, lambda name: name == "upd")

@@ -194,6 +194,15 @@ def test_attnres_kernel_backward_matches_xla_in_the_model():
                                                           **{"attn_res.backend": "pallas_gpu"}))
 
 
+def test_row_gather_kernel_matches_xla_in_the_model():
+  # The dispatch's row copies (forward rows, combine gradient rows) through the pallas_gpu
+  # kernel (interpret mode) and through XLA's gather: the same loss and gradients.
+  _assert_same_loss_and_grads(_three_layer_loss_and_grads((21, 30, 13), **{"moe.gather_backend": "xla"}),
+                              _three_layer_loss_and_grads((21, 30, 13),
+                                                          **{"moe.gather_backend": "pallas_gpu"}),
+                              tol=0.0)
+
+
 def test_situ_glu_kernels_match_xla_in_the_model():
   # The routed experts' SiTU-GLU (their routing weights as row scales) through the pallas_gpu
   # kernels (interpret mode) and through the xla backend: the same loss and gradients, in fp32.

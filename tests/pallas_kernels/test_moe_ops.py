@@ -281,6 +281,60 @@ def test_dispatch_combine_gradients_are_gathers_and_match_float64(dtype, tol, fo
                                  rtol=0)
 
 
+# ----------------------------------------------------------------------------- row gather kernel
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows, cols, n, p, d", [(16, 1024, 64, 128, 256), (4, 16, 9, 24, 48),
+                                                  (16, 64, 5, 7, 32)])
+def test_row_gather_kernel_copies_the_rows_bit_for_bit(dtype, rows, cols, n, p, d):
+  """pallas_gpu_rows.gather_rows (interpret mode) equals x[idx] exactly, whatever blocks the
+  settings and the shapes leave (7 rows: one row per program; D 48: blocks of 16 columns)."""
+  from pallas_kernels.moe import pallas_gpu_rows
+  rng = np.random.default_rng(n + p)
+  x = jnp.asarray(rng.standard_normal((n, d)), dtype)
+  idx = jnp.asarray(rng.integers(0, n, size=p), jnp.int32)
+  with pallas_gpu_rows.configured(rows=rows, cols=cols):
+    got = jax.jit(lambda a, i: pallas_gpu_rows.gather_rows(a, i, interpret=True))(x, idx)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x)[np.asarray(idx)])
+
+
+def test_row_gather_kernel_refuses_what_it_cannot_copy_and_the_ops_fall_back():
+  from pallas_kernels.moe import pallas_gpu_rows, permute
+  idx = jnp.zeros((4,), jnp.int32)
+  for x in (jnp.zeros((4, 24)), jnp.zeros((4,)), jnp.zeros((4, 32), jnp.int8)):
+    assert not pallas_gpu_rows.supports(x, idx)
+    with pytest.raises(ValueError, match="row gather pallas_gpu: needs x"):
+      pallas_gpu_rows.gather_rows(x, idx, interpret=True)
+  x = jnp.arange(12.0).reshape(4, 3)                     # 3 columns: XLA's gather instead
+  np.testing.assert_array_equal(permute._rows(x, jnp.asarray([3, 0]), "pallas_gpu"), x[jnp.asarray([3, 0])])
+  with pytest.raises(ValueError, match="unknown backend 'triton'"):
+    moe_ops.dispatch(x, jnp.zeros((4, 1), jnp.int32), 2, gather="triton")
+  with pytest.raises(ValueError, match="rows must be a power of two"):
+    pallas_gpu_rows.Settings(rows=3)
+
+
+def test_dispatch_and_combine_through_the_gather_kernel_equal_xla_bit_for_bit():
+  """Values and gradients of dispatch → experts → combine_scaled with gather="pallas_gpu"
+  (interpret mode: the forward row gather and the combine's gradient gather) and "xla"."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((T, 32)), jnp.bfloat16)
+  idx = jnp.asarray(np.argsort(rng.standard_normal((T, E)), axis=1)[:, :TOPK], jnp.int32)
+  ct = jnp.asarray(rng.standard_normal((T, 32)), jnp.float32)
+
+  def loss(a, gather):
+    x_sorted, gs, perm = moe_ops.dispatch(a, idx, E, gather=gather)
+    rows = x_sorted * (_sorted_expert_ids(gs) + 1).astype(a.dtype)[:, None]
+    return jnp.sum(moe_ops.combine_scaled(rows, perm, TOPK, gather=gather).astype(jnp.float32) * ct)
+
+  run = lambda gather: jax.jit(jax.value_and_grad(lambda a: loss(a, gather)))(x)
+  kernel_jaxpr = str(jax.make_jaxpr(jax.grad(lambda a: loss(a, "pallas_gpu")))(x))
+  assert kernel_jaxpr.count("moe_gather_rows") == 2      # the forward rows and the gradient rows
+  (l_k, g_k), (l_x, g_x) = run("pallas_gpu"), run("xla")
+  assert float(l_k) == float(l_x)
+  np.testing.assert_array_equal(np.asarray(g_k), np.asarray(g_x))
+
+
 def test_scaled_rows_shape_errors():
   x, idx, w = _routing()
   _, _, perm = moe_ops.dispatch(x, idx, E)
