@@ -115,3 +115,19 @@ def test_shape_bytes(shape, expected):
   assert hlo_costs.shape_bytes(shape) == expected
   if shape.startswith("("):
     assert hlo_costs.shape_bytes(shape, skip_workspace=True) == 8
+
+
+def test_command_line_reads_a_dump_and_its_op_list(tmp_path, capsys):
+  import gzip
+  import json
+  hlo = tmp_path / "step_hlo.txt.gz"
+  with gzip.open(hlo, "wt") as f:
+    f.write(GPU_MODULE)
+  ops = tmp_path / "step_ops.json"
+  ops.write_text(json.dumps([{"op": "gemm", "ms_per_step": 1e-3, "kind": "gemm"},
+                             {"op": "upd", "ms_per_step": 12 * 132e-9, "kind": "fusion"}]))
+  assert hlo_costs.main([str(hlo), str(ops)]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["totals"]["other"]["launches"] == 36 and out["loops_without_trip_count"] == 0
+  assert out["rates"]["other"] == {"gemm_tflops": round(12 * 2 * 32 * 16 * 64 / 1e-6 / 1e12, 1),
+                                   "fusion_tbps": 1.0}
