@@ -4,10 +4,14 @@ Read from the optimised HLO text alone, so it works for a step compiled without 
 (`train_step.py --compile_for`) as well as beside a profile:
 
 - Launches. A kernel (`_record.kernel_lines`: a fusion or custom call outside fused
-  computations, buffer allocations aside) runs once per run of the computation that holds it. The entry computation runs
-  once; a while loop's body and condition run its `known_trip_count` times (n + 1 for the
-  condition) per run of the loop; a call's (and a command buffer's) computation once per call; a
-  conditional's branches are counted as if each ran every time (an upper bound, reported apart).
+  computations, buffer allocations aside) runs once per run of the computation that holds it.
+  The entry computation runs once; a while loop's body and condition run its `known_trip_count`
+  times (n + 1 for the condition) per run of the loop; a call's (and a command buffer's)
+  computation once per call; a conditional's branches are counted as if each ran every time (an
+  upper bound, reported apart).
+- Kinds. "gemm": cuBLAS calls, XLA's GEMM fusions and fusions wrapping a cuBLAS call; "kernel":
+  the other custom calls (Pallas, Mosaic GPU, cuDNN, library sorts) and fusions wrapping one;
+  "fusion": XLA's own fusions.
 - GEMM FLOPs per launch: 2 · (output elements) · (contracted elements) of the cuBLAS call's
   `dot_dimension_numbers`, or of the `dot` inside a GEMM fusion.
 - Bytes per launch: what the kernel reads and writes in device memory, from the shapes: each
@@ -60,7 +64,7 @@ class KernelCost:
   runs: float
   flops: float
   bytes: float
-  kind: str              # "gemm" | "kernel" (other custom calls: Pallas, cuDNN, …) | "fusion" (XLA's)
+  kind: str              # "gemm", "kernel" or "fusion" (module docstring)
 
 
 def shape_bytes(shape: str, skip_workspace: bool = False) -> float:
