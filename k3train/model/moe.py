@@ -526,7 +526,8 @@ class StableLatentMoE(nnx.Module):
       r_btl = expert_parallel.routed_experts(
           x_nl.reshape(b, t, -1), weights_nk.reshape(b, t, -1), idx_nk.reshape(b, t, -1),
           num_experts=self.num_experts, expert_fn=self.experts.apply,
-          expert_weights=self.experts.weights(), gather=self.gather_backend)
+          expert_weights=self.experts.weights(), gather=self.gather_backend,
+          order_name=remat.ROUTING)
     # Kept under selective remat (a [N, ℓ] row per token): the latent norm's backward reads it,
     # and with the routing weights applied inside the experts nothing else needs the expert
     # outputs, so the down GEMM is not run again.

@@ -9,6 +9,8 @@
              tagged with the names below, which are cheap to keep and costly to recompute:
                moe_routing     the top-k expert indices [N, k] int32: the router's top-k and
                                every Quantile Balancing round behind it are not recomputed;
+                               and the dispatch's sort order [N·k] and group sizes [E]
+                               int32: nor is its argsort;
                moe_expert_mlp  the gate and up grouped-matmul outputs [rows, F] and the
                                combined latent [N, ℓ]: no expert GEMM is recomputed (the
                                routing weights ride inside the experts, so the combine's

@@ -52,10 +52,12 @@ def resolve_exchange(exchange: str) -> str:
 
 
 def local_routed_experts(x_nl, weights_nk, idx_nk, num_experts: int, expert_fn: ExpertFn,
-                         expert_weights, gather: str = "xla") -> jax.Array:
+                         expert_weights, gather: str = "xla",
+                         order_name: str | None = None) -> jax.Array:
   """Single-device dropless path: dispatch → grouped expert MLP (rows weighted inside) → sum.
-  Returns [n, ℓ]. gather: who copies the dispatch's rows (moe_ops.GATHERS)."""
-  x_sorted, group_sizes, perm = moe_ops.dispatch(x_nl, idx_nk, num_experts, gather=gather)
+  Returns [n, ℓ]. gather, order_name: `moe_ops.dispatch`'s."""
+  x_sorted, group_sizes, perm = moe_ops.dispatch(x_nl, idx_nk, num_experts, gather=gather,
+                                                 order_name=order_name)
   w_sorted = moe_ops.sorted_pair_weights(weights_nk, perm)
   y_sorted = expert_fn(x_sorted, group_sizes, *expert_weights, w_sorted)
   return moe_ops.combine_scaled(y_sorted, perm, idx_nk.shape[1], gather=gather)
@@ -76,7 +78,7 @@ def _segment_of(sizes_s, count: int):
 
 
 def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_axes, f_axes,
-              ep: int, exchange: str, expert_fn: ExpertFn, gather: str):
+              ep: int, exchange: str, expert_fn: ExpertFn, gather: str, order_name: str | None):
   """Per-device body of the expert-parallel shard_map (see the module docstring)."""
   b, t, latent = x_btl.shape
   k = idx_btk.shape[-1]
@@ -87,7 +89,7 @@ def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_
   x_nl = x_btl.reshape(n, latent)
 
   x_sorted, group_sizes_e, perm = moe_ops.dispatch(x_nl, idx_btk.reshape(n, k), num_experts,
-                                                   gather=gather)
+                                                   gather=gather, order_name=order_name)
   w_sorted = moe_ops.sorted_pair_weights(weights_btk.reshape(n, k), perm)
   sizes_de = group_sizes_e.reshape(ep, e_local)                   # my pairs per (dest, its expert)
   send_d = jnp.sum(sizes_de, axis=1)
@@ -146,13 +148,14 @@ def _ep_local(x_btl, weights_btk, idx_btk, *expert_weights, num_experts: int, e_
 
 def routed_experts(x_btl: jax.Array, weights_btk: jax.Array, idx_btk: jax.Array, *,
                    num_experts: int, expert_fn: ExpertFn, expert_weights: tuple,
-                   exchange: str | None = None, gather: str = "xla") -> jax.Array:
+                   exchange: str | None = None, gather: str = "xla",
+                   order_name: str | None = None) -> jax.Array:
   """r [B, T, ℓ] = Σ_j w_j E_{idx_j}(x) over each token's k experts, dropless, on any layout.
 
   expert_weights: (gate [E, ℓ, F], up [E, ℓ, F], down [E, F, ℓ]) as arrays; expert_fn runs the
   expert MLP on expert-sorted rows with (local) weights. exchange: see `EXCHANGES`; None takes
   the layout's `expert_exchange` option (default "auto"). gather: who copies the dispatch's rows
-  (moe_ops.GATHERS).
+  (moe_ops.GATHERS); order_name: the checkpoint name of its sort order (`moe_ops.dispatch`).
   """
   exchange = rules_lib.option("expert_exchange", "auto") if exchange is None else exchange
   b, t, latent = x_btl.shape
@@ -166,7 +169,7 @@ def routed_experts(x_btl: jax.Array, weights_btk: jax.Array, idx_btk: jax.Array,
   if layout is None or (ep == 1 and not f_axes and not b_axes and not t_axes):
     r = local_routed_experts(x_btl.reshape(b * t, latent), weights_btk.reshape(b * t, -1),
                              idx_btk.reshape(b * t, -1), num_experts, expert_fn, expert_weights,
-                             gather)
+                             gather, order_name)
     return r.reshape(b, t, latent)
   if num_experts % ep:
     raise ValueError(f"model.moe.num_experts={num_experts} is not divisible by the {ep} devices "
@@ -178,11 +181,12 @@ def routed_experts(x_btl: jax.Array, weights_btk: jax.Array, idx_btk: jax.Array,
   if ep > 1:
     body = functools.partial(_ep_local, num_experts=num_experts, e_axes=e_axes, f_axes=f_axes,
                              ep=ep, exchange=resolve_exchange(exchange), expert_fn=expert_fn,
-                             gather=gather)
+                             gather=gather, order_name=order_name)
   else:   # no exchange: local experts; only a tensor-split hidden dim needs its psum
     def body(x, w, i, *ew):
       r = local_routed_experts(x.reshape(-1, latent), w.reshape(-1, w.shape[-1]),
-                               i.reshape(-1, i.shape[-1]), num_experts, expert_fn, ew, gather)
+                               i.reshape(-1, i.shape[-1]), num_experts, expert_fn, ew, gather,
+                               order_name)
       return (jax.lax.psum(r, f_axes) if f_axes else r).reshape(x.shape)
   return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out),
                        out_specs=tok, check_vma=False)(x_btl, weights_btk, idx_btk, *expert_weights)

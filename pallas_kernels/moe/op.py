@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels import platform
 from pallas_kernels.moe import mx_operands, pallas_gpu, pallas_tpu, permute
@@ -162,8 +163,8 @@ def gmm_mx(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, lhs_codes:
   return impl(lhs, rhs, group_sizes, lhs_codes, lhs_scales, rhs_packed, rhs_scales)
 
 
-def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int, *, gather: str = "xla"
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int, *, gather: str = "xla",
+             order_name: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Sort the (token, expert) pairs by expert and gather the token rows into that order.
 
   x [T, D], expert_idx [T, k] int → (x_sorted [T·k, D], group_sizes [E] int32, perm [T·k] int32).
@@ -171,15 +172,20 @@ def dispatch(x: jax.Array, expert_idx: jax.Array, num_experts: int, *, gather: s
   within one expert tokens keep their order) and x_sorted[i] = x[perm[i] // k]. Dropless: every
   pair gets a row, group_sizes[e] = #pairs routed to e. The gradient wrt x sums each token's k
   row cotangents in fp32 by a gather through the inverse permutation (permute.py: no scatter).
-  `gather`: who copies the rows (permute.GATHERS).
+  `gather`: who copies the rows (permute.GATHERS). `order_name`: a checkpoint name
+  (`jax.ad_checkpoint.checkpoint_name`) given to perm and group_sizes, so that a remat policy
+  keeping that name does not sort the pairs again when it rematerialises the forward.
   """
   num_tokens, top_k = expert_idx.shape
   if x.shape[0] != num_tokens:
     raise ValueError(f"dispatch: x has {x.shape[0]} tokens, expert_idx {num_tokens}")
   expert_p = expert_idx.reshape(num_tokens * top_k).astype(jnp.int32)
   perm_p = jnp.argsort(expert_p, stable=True).astype(jnp.int32)
-  x_sorted_pd = permute.sort_rows(x, perm_p, top_k, permute.resolve_gather(gather))
   group_sizes_e = count_ids(expert_p, num_experts)
+  if order_name is not None:
+    perm_p = checkpoint_name(perm_p, order_name)
+    group_sizes_e = checkpoint_name(group_sizes_e, order_name)
+  x_sorted_pd = permute.sort_rows(x, perm_p, top_k, permute.resolve_gather(gather))
   return x_sorted_pd, group_sizes_e, perm_p
 
 

@@ -165,13 +165,16 @@ def _primitive_counts(remat_policy: str) -> collections.Counter:
 
 
 def test_selective_remat_keeps_routing_and_attention_instead_of_recomputing():
-  # Under "full" the backward pass runs the router's top-k (after the QB rounds) and the blockwise
-  # attention forward loop again; "selective" keeps the top-k indices and the attention residuals
-  # (model/remat.py), so its gradient program has as many of both as the one without remat, and
+  # Under "full" the backward pass runs the router's top-k (after the QB rounds), the dispatch's
+  # argsort and the blockwise attention forward loop again; "selective" keeps the top-k indices,
+  # the sort order and the attention residuals (model/remat.py), so its gradient program has as
+  # many of each as the one without remat, and
   # fewer dot_generals than "full" (it keeps the projections too).
   none, full, selective = (_primitive_counts(p) for p in ("none", "full", "selective"))
   assert full["top_k"] > none["top_k"] > 0
   assert selective["top_k"] == none["top_k"]
+  assert full["sort"] > none["sort"] > 0                  # the dispatch's argsort
+  assert selective["sort"] == none["sort"]
   assert full["while"] > none["while"] > 0
   assert selective["while"] == none["while"]
   assert none["dot_general"] < selective["dot_general"] < full["dot_general"]

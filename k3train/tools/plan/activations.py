@@ -269,7 +269,7 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   rows = expert_rows(dims, topk, expert_capacity)
   c = Cost()
   c.add("moe: router fp32 input, logits, scores", dots=n * E * F, saved=n * (d * F + E * F + topk * 8),
-        kept=n * topk * 4)
+        kept=2 * n * topk * 4 + E * 4)          # top-k ids, the dispatch's sort order and counts
   c.add("moe: latent down/up, latent norm", dots=n * (lat * A + d * A), saved=n * lat * (F + A),
         kept=n * lat * A)                       # the combined latent (the norm's input)
   c.add("moe: shared experts", dots=n * (2 * sh * A + d * A), saved=n * sh * (A + F))
