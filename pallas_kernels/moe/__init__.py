@@ -8,8 +8,8 @@ GATHERS: who copies the dispatch's rows ("xla", "pallas_gpu", "auto"; permute.py
 """
 
 from pallas_kernels.moe.permute import GATHERS
-from pallas_kernels.moe.op import (BACKENDS, MX_BACKENDS, combine, combine_scaled, count_ids, dispatch,
-                                   gmm, gmm_mx, resolve_backend, sorted_pair_weights)
+from pallas_kernels.moe.op import (BACKENDS, MX_BACKENDS, combine, combine_scaled, count_ids,
+                                   dispatch, gmm, gmm_mx, resolve_backend, sorted_pair_weights)
 
-__all__ = ["BACKENDS", "GATHERS", "MX_BACKENDS", "combine", "combine_scaled", "count_ids", "dispatch", "gmm", "gmm_mx",
-           "resolve_backend", "sorted_pair_weights"]
+__all__ = ["BACKENDS", "GATHERS", "MX_BACKENDS", "combine", "combine_scaled", "count_ids",
+           "dispatch", "gmm", "gmm_mx", "resolve_backend", "sorted_pair_weights"]
