@@ -34,6 +34,22 @@ def is_pow2(n: int) -> bool:
   return n >= 1 and n & (n - 1) == 0
 
 
+WARPS = (1, 2, 4, 8, 16)          # the num_warps a Triton kernel takes
+
+
+def require_pow2(owner: str, name: str, value, minimum: int = 1) -> None:
+  """Refuses a launch setting that is not a power of two >= minimum, naming `owner` and it."""
+  if not (is_pow2(value) and value >= minimum):
+    at_least = f" >= {minimum}" if minimum > 1 else ""
+    raise ValueError(f"{owner}: {name} must be a power of two{at_least}, got {value!r}")
+
+
+def require_warps(owner: str, name: str, value) -> None:
+  """Refuses a num_warps setting outside WARPS, naming `owner` and it."""
+  if value not in WARPS:
+    raise ValueError(f"{owner}: {name} must be 1, 2, 4, 8 or 16, got {value!r}")
+
+
 def largest_pow2_divisor(n: int, cap: int) -> int:
   """The largest power of two <= cap (itself a power of two) dividing n."""
   p = cap

@@ -40,14 +40,9 @@ class Settings:
   num_warps: int = 4    # 1, 2, 4, 8 or 16
 
   def __post_init__(self):
-    if not launch.is_pow2(self.rows):
-      raise ValueError(f"attnres pallas_gpu: rows must be a power of two, got {self.rows!r}")
-    if not (launch.is_pow2(self.chunk) and self.chunk >= 16):
-      raise ValueError(f"attnres pallas_gpu: chunk must be a power of two >= 16, got "
-                       f"{self.chunk!r}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"attnres pallas_gpu: num_warps must be 1, 2, 4, 8 or 16, got "
-                       f"{self.num_warps!r}")
+    launch.require_pow2("attnres pallas_gpu", "rows", self.rows)
+    launch.require_pow2("attnres pallas_gpu", "chunk", self.chunk, 16)
+    launch.require_warps("attnres pallas_gpu", "num_warps", self.num_warps)
 
 
 SETTINGS = Settings()

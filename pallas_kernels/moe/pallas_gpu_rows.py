@@ -30,14 +30,9 @@ class Settings:
   num_warps: int = 4    # 1, 2, 4, 8 or 16
 
   def __post_init__(self):
-    if not launch.is_pow2(self.rows):
-      raise ValueError(f"row gather pallas_gpu: rows must be a power of two, got {self.rows!r}")
-    if not (launch.is_pow2(self.cols) and self.cols >= launch.MIN_BLOCK_COLS):
-      raise ValueError(f"row gather pallas_gpu: cols must be a power of two >= "
-                       f"{launch.MIN_BLOCK_COLS}, got {self.cols!r}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"row gather pallas_gpu: num_warps must be 1, 2, 4, 8 or 16, got "
-                       f"{self.num_warps!r}")
+    launch.require_pow2("row gather pallas_gpu", "rows", self.rows)
+    launch.require_pow2("row gather pallas_gpu", "cols", self.cols, launch.MIN_BLOCK_COLS)
+    launch.require_warps("row gather pallas_gpu", "num_warps", self.num_warps)
 
 
 SETTINGS = Settings()

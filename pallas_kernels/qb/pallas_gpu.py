@@ -54,18 +54,14 @@ class Settings:
   column_digit_bits: int = 1    # bits per radix round of the columns kernel
 
   def __post_init__(self):
-    if not launch.is_pow2(self.rows):
-      raise ValueError(f"qb pallas_gpu: rows must be a power of two, got {self.rows!r}")
+    launch.require_pow2("qb pallas_gpu", "rows", self.rows)
     if not (launch.is_pow2(self.row_elements) and launch.is_pow2(self.resident)
             and self.resident >= 16):
       raise ValueError(f"qb pallas_gpu: row_elements and resident must be powers of two, got "
                        f"{self.row_elements!r}, {self.resident!r}")
-    if not (launch.is_pow2(self.chunk) and self.chunk >= 16):
-      raise ValueError(f"qb pallas_gpu: chunk must be a power of two >= 16, got {self.chunk!r}")
+    launch.require_pow2("qb pallas_gpu", "chunk", self.chunk, 16)
     for name in ("num_warps", "wide_warps", "column_warps"):
-      if getattr(self, name) not in (1, 2, 4, 8, 16):
-        raise ValueError(f"qb pallas_gpu: {name} must be 1, 2, 4, 8 or 16, got "
-                         f"{getattr(self, name)!r}")
+      launch.require_warps("qb pallas_gpu", name, getattr(self, name))
     for name in ("digit_bits", "column_digit_bits"):
       if getattr(self, name) not in DIGIT_BITS:
         raise ValueError(f"qb pallas_gpu: {name} must be one of {DIGIT_BITS}, got "

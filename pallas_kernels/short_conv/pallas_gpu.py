@@ -42,14 +42,9 @@ class Settings:
   forward: str = "xla"
 
   def __post_init__(self):
-    if not (launch.is_pow2(self.rows) and self.rows >= 8):
-      raise ValueError(f"short_conv pallas_gpu: rows must be a power of two >= 8, got {self.rows!r}")
-    if not (launch.is_pow2(self.cols) and self.cols >= 16):
-      raise ValueError(f"short_conv pallas_gpu: cols must be a power of two >= 16, got "
-                       f"{self.cols!r}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"short_conv pallas_gpu: num_warps must be 1, 2, 4, 8 or 16, got "
-                       f"{self.num_warps!r}")
+    launch.require_pow2("short_conv pallas_gpu", "rows", self.rows, launch.MIN_BLOCK_ROWS)
+    launch.require_pow2("short_conv pallas_gpu", "cols", self.cols, launch.MIN_BLOCK_COLS)
+    launch.require_warps("short_conv pallas_gpu", "num_warps", self.num_warps)
     if self.forward not in ("xla", "kernel"):
       raise ValueError(f"short_conv pallas_gpu: forward must be 'xla' or 'kernel', got "
                        f"{self.forward!r}")

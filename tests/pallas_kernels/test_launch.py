@@ -35,3 +35,14 @@ def test_swapped_restores_settings_and_rejects_bad_values_first():
     with pallas_gpu.configured(rows=24):
       pass
   assert pallas_gpu.SETTINGS is before
+
+
+def test_settings_checks_name_the_owner_the_setting_and_the_bound():
+  launch.require_pow2("k", "rows", 16)
+  launch.require_warps("k", "num_warps", 8)
+  with pytest.raises(ValueError, match=r"^k: rows must be a power of two, got 12$"):
+    launch.require_pow2("k", "rows", 12)
+  with pytest.raises(ValueError, match=r"^k: cols must be a power of two >= 16, got 8$"):
+    launch.require_pow2("k", "cols", 8, 16)
+  with pytest.raises(ValueError, match=r"^k: wide_warps must be 1, 2, 4, 8 or 16, got 3$"):
+    launch.require_warps("k", "wide_warps", 3)
