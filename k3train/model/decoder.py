@@ -180,17 +180,21 @@ class K3Model(nnx.Module):
     return out
 
   def hidden_states(self, tokens_bt, segment_ids_bt=None, token_mask_bt=None, vision=None,
-                    stack_grad_acc=None) -> jax.Array:
+                    stack_grad_acc=None, embed_btd=None) -> jax.Array:
     """The final AttnRes mix before the norm, [B, T, d] (also the MTP input).
 
     `vision`: the batch's vision_patches / vision_grids / vision_grid_ids (a mapping) when the
     tower is on; its tokens replace the placeholder embeddings (vision.splice).
     `stack_grad_acc`: (gradient accumulator of the scanned stack's parameters, weight), for
     gradient accumulation in the stack's backward pass (see `_run_stack`).
+    `embed_btd`: the tokens' embeddings [B, T, d] looked up by the caller (`self.embed(tokens)`,
+    the default); the train step passes them to take their gradient per row
+    (k3train/train/step.py, `loss_and_grads`).
     """
     if token_mask_bt is None:
       token_mask_bt = jnp.ones(tokens_bt.shape, jnp.float32)
-    x = constrain(self.embed(tokens_bt), ax.BATCH, ax.SEQ, ax.EMBED)
+    x = self.embed(tokens_bt) if embed_btd is None else embed_btd
+    x = constrain(x, ax.BATCH, ax.SEQ, ax.EMBED)
     if vision is not None and self.vision is not None:
       tokens_bnd = self.vision(vision["vision_patches"], vision["vision_grids"], vision["vision_grid_ids"])
       x = constrain(vision_lib.splice(x, tokens_bt, tokens_bnd, self.placeholder_id),
@@ -207,15 +211,18 @@ class K3Model(nnx.Module):
                                token_mask_bt)
     return self.out_res(stream)[0]
 
-  def mtp_hidden(self, h_btd, next_tokens_bt, segment_ids_bt=None, token_mask_bt=None) -> jax.Array:
+  def mtp_hidden(self, h_btd, next_tokens_bt, segment_ids_bt=None, token_mask_bt=None,
+                 next_embed_btd=None) -> jax.Array:
     """The MTP module's normalised output [B, T, d] at every position i (its `lm_head` logits
     predict t_{i+2}) from `hidden_states` h and the next tokens t_{i+1} (the batch's targets);
-    rematerialised like a layer. Needs model.mtp on."""
+    rematerialised like a layer. Needs model.mtp on. `next_embed_btd`: the next tokens'
+    embeddings when the caller looked them up (as `hidden_states`' `embed_btd`)."""
     if self.mtp is None:
       raise ValueError("the model has no MTP module (model.mtp.enabled is false)")
     if token_mask_bt is None:
       token_mask_bt = jnp.ones(next_tokens_bt.shape, jnp.float32)
-    next_embed = constrain(self.embed(next_tokens_bt), ax.BATCH, ax.SEQ, ax.EMBED)
+    next_embed = self.embed(next_tokens_bt) if next_embed_btd is None else next_embed_btd
+    next_embed = constrain(next_embed, ax.BATCH, ax.SEQ, ax.EMBED)
     return self._remat(self.mtp, lambda mtp, *args: mtp(*args), h_btd, next_embed, segment_ids_bt,
                        token_mask_bt)
 

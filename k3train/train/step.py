@@ -174,7 +174,8 @@ def head_loss(model, x_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array
     return cross_entropy(logits_btv, targets_bt, mask_bt)
 
 
-def forward_loss(graphdef, params, rest, batch, loss_chunk_tokens: int = 0, stack_grad_acc=None):
+def forward_loss(graphdef, params, rest, batch, loss_chunk_tokens: int = 0, stack_grad_acc=None,
+                 embed_rows=None):
   """Loss and the updated non-parameter state for one batch (vision keys go to the tower).
 
   The loss is the mean next-token cross-entropy over the loss tokens; with an MTP module
@@ -183,27 +184,34 @@ def forward_loss(graphdef, params, rest, batch, loss_chunk_tokens: int = 0, stac
   run as `head_loss` with `loss_chunk_tokens` (`train.loss_chunk_tokens`).
 
   stack_grad_acc: (accumulator shaped like params["stack"], weight) to accumulate the scanned
-  stack's gradient in its own backward pass (`K3Model._run_stack`; used by `loss_and_grads`)."""
+  stack's gradient in its own backward pass (`K3Model._run_stack`; used by `loss_and_grads`).
+  embed_rows: the embeddings of the batch's "tokens" (and, with an MTP module, "targets") as
+  `embedding_rows` looks them up, used in place of the model's own lookups, so that the gradient
+  with respect to them is the table's gradient row by row (used by `loss_and_grads`)."""
   model = nnx.merge(graphdef, params, rest, copy=True)  # fresh Variables at this trace level
   token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
   vision = {k: batch[k] for k in VISION_BATCH_KEYS if k in batch} or None
   mask = loss_mask_of(batch, getattr(model, "placeholder_id", None))
+  rows = embed_rows or {}
   h = model.hidden_states(batch["tokens"], batch["segment_ids"], token_mask, vision,
-                          stack_grad_acc=stack_grad_acc)
+                          stack_grad_acc=stack_grad_acc, embed_btd=rows.get("tokens"))
   loss, n_tokens = head_loss(model, model.final_norm(h), batch["targets"], mask, loss_chunk_tokens)
   if getattr(model, "mtp", None) is not None:
-    mtp_sum = mtp_ce_sum(model, h, batch, mask, token_mask, loss_chunk_tokens)
+    mtp_sum = mtp_ce_sum(model, h, batch, mask, token_mask, loss_chunk_tokens,
+                         next_embed_btd=rows.get("targets"))
     loss = loss + model.mtp_loss_weight * mtp_sum / jnp.maximum(n_tokens, 1.0)
   _, _, new_rest = nnx.split(model, nnx.Param, ...)
   return loss, (new_rest, n_tokens)
 
 
 def mtp_ce_sum(model, h_btd: jax.Array, batch: dict, mask_bt: jax.Array, token_mask_bt: jax.Array,
-               loss_chunk_tokens: int = 0):
+               loss_chunk_tokens: int = 0, next_embed_btd=None):
   """The MTP cross-entropy (fp32) summed over the batch's MTP positions, from the main hidden
-  states h [B, T, d]; the sum and the positions' number go to the module's MTPStats."""
+  states h [B, T, d]; the sum and the positions' number go to the module's MTPStats.
+  next_embed_btd: the targets' embeddings, when looked up by the caller."""
   targets, mtp_mask = mtp_lib.mtp_targets(batch["targets"], mask_bt, batch["segment_ids"])
-  x = model.mtp_hidden(h_btd, batch["targets"], batch["segment_ids"], token_mask_bt)
+  x = model.mtp_hidden(h_btd, batch["targets"], batch["segment_ids"], token_mask_bt,
+                       next_embed_btd=next_embed_btd)
   ce, n = head_loss(model, x, targets, mtp_mask, loss_chunk_tokens)
   ce_sum = ce * n
   model.mtp.stats[...] = jax.lax.stop_gradient(jnp.stack([ce_sum, n]))
@@ -242,7 +250,8 @@ def _combine_rest(rest_stacked):
 
 
 def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
-                   loss_chunk_tokens: int = 0, forward_params=None, accumulate_in_stack: bool = True):
+                   loss_chunk_tokens: int = 0, forward_params=None, accumulate_in_stack: bool = True,
+                   embedding_by_rows: bool = True):
   """(loss, (new rest, loss tokens), grads) for one step's batch, accumulated over micro-batches.
 
   microbatches == 1 is the plain value_and_grad of `forward_loss`. Otherwise the batch size must
@@ -253,6 +262,12 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
   inside the stack's backward scan, one layer's slice at a time, into the accumulator itself
   (k3train/model/layer_scan.py) — the same arithmetic without a zero-filled, stack-sized gradient
   buffer per micro-batch beside the accumulator. False: every leaf is summed after the backward.
+
+  embedding_by_rows (micro-batches > 1): the forward takes the token embeddings looked up outside
+  the differentiated function (`embedding_rows`), and their gradient [B, T, d] is scattered into
+  the embedding table's accumulator, row by row in place: acc[id] += weight · ∂L/∂row. The table's
+  own gradient would be a [vocab, d] fp32 scatter into zeros, then added to the accumulator:
+  three passes over the table per micro-batch for a few thousand rows. False: that path.
 
   forward_params: a function params → the parameters the forward runs with (a once-per-step cast
   of the routed-expert weights, `moe.cast_expert_weights`), applied before the micro-batches;
@@ -275,11 +290,12 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
   weight_n = tokens_n / jnp.maximum(jnp.sum(tokens_n), 1.0)
 
   in_stack = accumulate_in_stack and "stack" in params
+  by_rows = embedding_by_rows and EMBED_TABLE in _leaf_paths(params)
 
-  def loss_with_stack_acc(graphdef, params, rest, batch, stack_acc, weight):
+  def loss_with_accumulators(graphdef, params, rest, batch, stack_acc, weight, rows):
     return forward_loss(graphdef, params, rest, batch, loss_chunk_tokens,
-                        stack_grad_acc=(stack_acc, weight))
-  stack_grad_fn = jax.value_and_grad(loss_with_stack_acc, argnums=(1, 4), has_aux=True)
+                        stack_grad_acc=(stack_acc, weight) if in_stack else None, embed_rows=rows)
+  acc_grad_fn = jax.value_and_grad(loss_with_accumulators, argnums=(1, 4, 6), has_aux=True)
 
   def body(acc, xs):
     mb, weight = xs
@@ -287,13 +303,12 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
           constrain(v, ax.BATCH, ax.SEQ) if v.ndim == 2 else v for k, v in mb.items()}
     grads_acc, loss_acc = acc
     add = lambda a, g: a + weight * g.astype(jnp.float32)
-    if in_stack:
-      (loss, (new_rest, _)), (grads, stack_acc) = stack_grad_fn(graphdef, run_params, rest, mb,
-                                                                grads_acc["stack"], weight)
-      grads_acc = _add_outside_stack(add, grads_acc, grads, stack_acc)
-    else:
-      (loss, (new_rest, _)), grads = grad_fn(graphdef, run_params, rest, mb)
-      grads_acc = jax.tree.map(add, grads_acc, grads)
+    rows = embedding_rows(graphdef, run_params, rest, mb) if by_rows else None
+    stack_acc = grads_acc["stack"] if in_stack else None
+    (loss, (new_rest, _)), (grads, stack_acc, d_rows) = acc_grad_fn(
+        graphdef, run_params, rest, mb, stack_acc, weight, rows)
+    table_acc = _scatter_rows(_leaf(grads_acc, EMBED_TABLE), mb, d_rows, weight) if by_rows else None
+    grads_acc = _accumulate(add, grads_acc, grads, stack_acc, table_acc)
     return (grads_acc, loss_acc + weight * loss), new_rest
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -301,12 +316,51 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
   return (loss, (_combine_rest(rest_n), jnp.sum(tokens_n))), like_params(grads)
 
 
-def _add_outside_stack(add, acc, grads, stack_acc):
-  """add(a, g) leaf by leaf, except under "stack", whose leaves come from `stack_acc` (already
-  accumulated by the stack's backward pass; `grads` holds unused zeros there)."""
-  stack_leaves = iter(jax.tree.leaves(stack_acc))
+# The token embedding table's path in the parameter tree.
+EMBED_TABLE = ("embed", "embedding")
+
+
+def embedding_rows(graphdef, params, rest, batch: dict) -> dict:
+  """The embeddings the forward looks up, by batch key: "tokens" (the input) and, for a model
+  with an MTP module, "targets" (its next tokens); [B, T, d] each, as the model computes them."""
+  model = nnx.merge(graphdef, params, rest, copy=True)
+  keys = ("tokens", "targets") if getattr(model, "mtp", None) is not None else ("tokens",)
+  return {k: model.embed(batch[k]) for k in keys}
+
+
+def _leaf_paths(tree) -> set:
+  return {tuple(path_names(p)) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _leaf(tree, names):
+  """The leaf of `tree` at the path `names`."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if tuple(path_names(path)) == names:
+      return leaf
+  raise KeyError(f"no leaf at {'/'.join(names)}")
+
+
+def _scatter_rows(table_acc_vd, batch: dict, d_rows: dict, weight):
+  """table_acc[id] += weight · ∂L/∂row for every looked-up row (ids from `batch` by the keys of
+  `d_rows`), in fp32; a token id appearing several times adds each of its rows."""
+  for key, d_btd in d_rows.items():
+    update = weight * d_btd.astype(jnp.float32)
+    table_acc_vd = table_acc_vd.at[batch[key]].add(update)
+  return table_acc_vd
+
+
+def _accumulate(add, acc, grads, stack_acc=None, table_acc=None):
+  """add(a, g) leaf by leaf, except the leaves accumulated elsewhere: under "stack" those of
+  `stack_acc` (by the stack's backward pass), and the embedding table's from `table_acc` (by
+  `_scatter_rows`); `grads` holds unused zeros there."""
+  stack_leaves = iter(jax.tree.leaves(stack_acc) if stack_acc is not None else ())
   def one(path, a, g):
-    return next(stack_leaves) if path_names(path)[0] == "stack" else add(a, g)
+    names = tuple(path_names(path))
+    if stack_acc is not None and names[0] == "stack":
+      return next(stack_leaves)
+    if table_acc is not None and names == EMBED_TABLE:
+      return table_acc
+    return add(a, g)
   out = jax.tree_util.tree_map_with_path(one, acc, grads)
   if next(stack_leaves, None) is not None:
     raise ValueError("the stack's accumulated gradients do not match the parameters' stack")

@@ -126,3 +126,53 @@ def test_expert_weights_cast_once_give_the_same_gradients(microbatches):
     a, b = a.get_value(), b.get_value()
     assert a.dtype == b.dtype == jnp.float32, path
     np.testing.assert_array_equal(a, b, err_msg=str(path))   # measured: identical on XLA:CPU
+
+
+def _mtp_config():
+  cfg = small_config()
+  cfg.model.mtp.enabled = True
+  return cfg
+
+
+def test_embedding_gradient_by_rows_equals_the_table_gradient():
+  """The embedding table's gradient scattered row by row into the accumulator equals the
+  gradient of the table itself (fp32 summation order aside), with repeated token ids and the MTP
+  module's second lookup; every other leaf is unchanged."""
+  cfg = _mtp_config()
+  graphdef, params, rest = nnx.split(build_model(cfg.model, seed=0), nnx.Param, ...)
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(8, 20, (B, T))               # 12 distinct ids: each repeats ~20 times
+  batch = {"tokens": jnp.asarray(tokens, jnp.int32),
+           "targets": jnp.asarray(np.roll(tokens, -1, axis=1), jnp.int32),
+           "segment_ids": jnp.ones((B, T), jnp.int32), "loss_mask": jnp.ones((B, T), jnp.float32)}
+  run = jax.jit(loss_and_grads, static_argnums=(0, 4), static_argnames=("embedding_by_rows",))
+  (loss_rows, _), g_rows = run(graphdef, params, rest, batch, 2, embedding_by_rows=True)
+  (loss_table, _), g_table = run(graphdef, params, rest, batch, 2, embedding_by_rows=False)
+  assert float(loss_rows) == float(loss_table)
+  table = params["embed"]["embedding"][...]
+  for path, a, b in zip([p for p, _ in jax.tree_util.tree_leaves_with_path(g_rows)],
+                        jax.tree.leaves(g_rows), jax.tree.leaves(g_table)):
+    scale = max(float(jnp.max(jnp.abs(b))), 1e-12)
+    assert float(jnp.max(jnp.abs(a - b))) <= 1e-6 * scale, jax.tree_util.keystr(path)
+  g_embed = np.asarray(g_rows["embed"]["embedding"][...])
+  touched = np.unique(np.concatenate([tokens.ravel(), np.roll(tokens, -1, axis=1).ravel()]))
+  assert g_embed.shape == table.shape
+  assert np.all(np.any(g_embed[touched] != 0, axis=1))        # every looked-up row has a gradient
+  untouched = np.setdiff1d(np.arange(table.shape[0]), touched)
+  assert not np.any(g_embed[untouched])                       # and no other row
+
+
+def test_embedding_gradient_by_rows_needs_no_table_sized_temporary():
+  """With the rows path the micro-batch loop creates no zero-filled [vocab, d] buffer (the table
+  gradient's scatter target); the table path does."""
+  cfg = small_config()
+  graphdef, params, rest = nnx.split(build_model(cfg.model, seed=0), nnx.Param, ...)
+  batch = {"tokens": jnp.zeros((B, T), jnp.int32), "targets": jnp.zeros((B, T), jnp.int32),
+           "segment_ids": jnp.ones((B, T), jnp.int32), "loss_mask": jnp.ones((B, T), jnp.float32)}
+  v, d = params["embed"]["embedding"][...].shape
+  def table_fills(by_rows):
+    text = jax.jit(lambda p: loss_and_grads(graphdef, p, rest, batch, 2, embedding_by_rows=by_rows)
+                   ).lower(params).as_text()
+    return sum(1 for line in text.splitlines()
+               if "broadcast_in_dim" in line and line.rstrip().endswith(f"tensor<{v}x{d}xf32>"))
+  assert table_fills(True) < table_fills(False)
