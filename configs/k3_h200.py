@@ -17,6 +17,11 @@ def get_config():
   m.dense_ffn_hidden = 8192
   m.dtype = "bfloat16"
   m.remat_policy = "selective"           # keeps projections, routing, expert GEMM and kernel outputs
+  # Unrolled, not scanned: at 21 layers the scan's stacked residuals (each saved GEMM or kernel
+  # output copied into its [iterations, …] buffer) and its in-place gradient-accumulator updates
+  # cost ~5 % of the step on one H200 (6.06 → 5.75 s per update), more than its compile saves
+  # (~90 → ~124 s); benchmarks/train_step.md. K3's 93 layers stay scanned.
+  m.scan_layers = False
 
   m.kda.num_heads = 16                   # 16 × 128, as K3's per-head shape
   m.mla.num_heads = 16
@@ -36,8 +41,8 @@ def get_config():
 
   c.data.seq_len = 4096
   # 196,608 tokens per update (K3's tokens per update and per GPU), as 12 micro-batches of
-  # 4 × 4096 with remat "selective" and the fused, chunked head loss: XLA 114.1 GiB per H200, the
-  # plan 123.8 GiB (benchmarks/train_step.md). The micro-batch size sets the memory; their number
+  # 4 × 4096 with remat "selective" and the fused, chunked head loss: XLA 116.4 GiB per H200, the
+  # plan 125.3 GiB (benchmarks/train_step.md). The micro-batch size sets the memory; their number
   # spreads the optimizer's ~44 ms per update over more tokens. Micro-batches of 2 × 4096 run
   # ~6 % slower.
   c.train.global_batch_size = 48
