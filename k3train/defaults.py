@@ -64,12 +64,12 @@ def k3_full() -> ml_collections.ConfigDict:
   e.backend = "auto"              # pallas_kernels.moe: auto (pallas_gpu on GPU, else ragged_dot)
   e.qb_backend = "auto"           # pallas_kernels.qb: auto (pallas_gpu on one GPU, else xla) | xla | pallas_gpu
   # The routed and shared experts' SiTU-GLU, pallas_kernels.situ_glu: xla | pallas_gpu | auto
-  # (the kernels on a GPU). "xla" until the kernels are timed in the step on a GPU
-  # (benchmarks/situ_glu.md).
+  # (the kernels on a GPU). "xla": on an H200 the kernels are 3× slower forward + backward than
+  # XLA's fusions and made the k3_h200 update 9 % slower (benchmarks/situ_glu.md).
   e.situ_backend = "xla"
   # Who copies the dispatch's token rows into expert order, pallas_kernels.moe.GATHERS: xla |
-  # pallas_gpu (a row-copy kernel) | auto (the kernel on a GPU). "xla" until the kernel is timed
-  # in the step on a GPU (benchmarks/train_step.md).
+  # pallas_gpu (a row-copy kernel) | auto (the kernel on a GPU). "xla" until the kernel (1.7×
+  # XLA's copy rate on an H200) is timed alone in the step (benchmarks/train_step.md).
   e.gather_backend = "xla"
 
   q = m.quant = ml_collections.ConfigDict()   # MX QAT of the routed experts (docs/maths.md §7.5)
