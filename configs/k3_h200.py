@@ -32,6 +32,10 @@ def get_config():
   m.moe.latent_dim = 1024
   m.moe.expert_hidden = 768
   m.moe.shared_hidden = 2048
+  # The dispatch's row copies by the row-copy kernel on a GPU (XLA's gather elsewhere): on one
+  # H200 the update took 5,643.2 against 5,666.4 ms with XLA's gathers, and XLA 3.9 GiB less
+  # (benchmarks/train_step.md).
+  m.moe.gather_backend = "auto"
 
   m.attn_res.block_size = 6
   m.vision.enabled = False               # text benchmarks; set both to True for a multimodal step

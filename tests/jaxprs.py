@@ -25,14 +25,3 @@ def primitive_counts(fn, *args) -> collections.Counter:
   """name → number of equations of that primitive in make_jaxpr(fn)(*args), nested ones too."""
   return collections.Counter(eqn.primitive.name
                              for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr))
-
-
-def live_primitive_counts(fn, *args) -> collections.Counter:
-  """`primitive_counts` after dead-code elimination: the equations whose results reach the
-  outputs (what XLA keeps), e.g. without the unused forward of a `jax.vjp` taken only for its
-  pullback."""
-  from jax._src.interpreters import partial_eval as pe
-  closed = jax.make_jaxpr(fn)(*args)
-  jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-  return collections.Counter(eqn.primitive.name for eqn in _equations(jaxpr))
-

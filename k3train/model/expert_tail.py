@@ -10,8 +10,6 @@ gradient: linear in its input, so taken at a zero input, whose forward and weigh
 kernels XLA then drops as unused), then one pass of the activation's backward
 (`pallas_kernels.situ_glu.value_and_grads`) writes h beside dg, du and r's gradient, then
 W_down's gradient hᵀ · dy. The residuals are the op's inputs, so no forward pass runs again.
-The routed experts run through it on either SiTU-GLU backend; the shared experts and the dense
-FFN only with the kernels.
 """
 
 from __future__ import annotations

@@ -68,17 +68,20 @@ def value_and_grads(g: jax.Array, u: jax.Array, dh: jax.Array, beta: float,
                     linear_beta: float | None = None, row_scale: jax.Array | None = None, *,
                     backend: str = "auto"):
   """(h, dg, du, d_row_scale or None): SiTU-GLU's value and its gradients for the cotangent dh,
-  in one pass over g, u and dh ("pallas_gpu": the backward kernel writing h too; "xla": the
-  derivatives written out, which XLA fuses into one pass). For an op whose own backward needs h
-  only once dh is known (the experts' down projection: its weight gradient reads h), so no
-  forward pass is rematerialised for h."""
+  in one pass over g, u and dh ("pallas_gpu": the backward kernel writing h too; "xla": autodiff,
+  which XLA fuses). For an op whose own backward needs h only once dh is known (the experts'
+  down projection: its weight gradient reads h), so no forward pass is rematerialised for h."""
   if dh.shape != g.shape:
     raise ValueError(f"situ_glu: dh must have g's shape {g.shape}, got {dh.shape}")
   backend, beta, linear_beta = _prepared(g, u, row_scale, beta, linear_beta, backend)
   if backend == "pallas_gpu":
     return pallas_gpu.backward(g, u, dh, row_scale, beta=beta, linear_beta=linear_beta,
                                interpret=platform.interpret("gpu"), with_h=True)
-  return xla.value_and_grads(g, u, dh, beta, linear_beta, row_scale)
+  if row_scale is None:
+    h, pull = jax.vjp(lambda a, b: xla.situ_glu(a, b, beta, linear_beta), g, u)
+    return (h, *pull(dh.astype(h.dtype)), None)
+  h, pull = jax.vjp(lambda a, b, c: xla.situ_glu(a, b, beta, linear_beta, c), g, u, row_scale)
+  return (h, *pull(dh.astype(h.dtype)))
 
 
 def situ_glu(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None = None,

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from k3train.model import moe as moe_lib
-from tests.jaxprs import live_primitive_counts
+from tests.jaxprs import primitive_counts
 from k3train.model.layers import situ_glu as _situ_glu
 
 D_MODEL = 16
@@ -278,7 +278,7 @@ def test_routing_weight_rides_in_the_expert_so_selective_remat_reruns_no_gmm():
   layer = lambda m, x: m(x, all_real(x))
   plain = jax.grad(lambda p: loss(p, layer))
   selective = jax.grad(jax.checkpoint(lambda p: loss(p, layer), policy=remat.policy("selective")))
-  gmms = lambda fn: live_primitive_counts(fn, params)["ragged_dot_general"]
+  gmms = lambda fn: primitive_counts(fn, params)["ragged_dot_general"]
   assert gmms(plain) == gmms(selective) == 9
   dense = jax.jit(jax.grad(lambda p: loss(p, moe_lib.moe_dense_reference)))(params)
   got = jax.jit(selective)(params)
