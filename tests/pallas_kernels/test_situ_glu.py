@@ -115,8 +115,8 @@ def test_values_and_gradients_equal_float64(backend, dtype, linear_beta, scaled)
 @pytest.mark.parametrize("linear_beta", [LINEAR_BETA, None])
 @pytest.mark.parametrize("scaled", [True, False])
 def test_value_and_grads_equal_float64(backend, dtype, linear_beta, scaled):
-  """`value_and_grads` (for "xla" its own written-out derivatives, not autodiff), every case of
-  the forward test: the float64 agreement of `_assert_equal_float64`."""
+  """`value_and_grads` (h beside the gradients in one call, as `expert_tail`'s backward takes
+  them), every case of the forward test: the float64 agreement of `_assert_equal_float64`."""
   g, u, dh, r = _inputs(dtype=dtype, seed=7)
   r = r if scaled else None
   with pallas_gpu.configured(rows=16, cols=32):
