@@ -16,7 +16,9 @@ from tests.configs import k3_h200, k3_tiny, quick
 # (gmm with rhsᵀ), the weight gradients (tgmm) at two shapes. KDA: the forward kernels in the
 # forward and again in the backward's recompute, and the backward kernels. MLA: the flash
 # forward (also recomputed) and its two backward kernels. QB's two kernels, AttnRes' backward,
-# the short conv's backward.
+# the short conv's backward. The dispatch's row copies (k3_h200's `gather_backend = "auto"` takes
+# the row-copy kernel on a GPU): one Triton call per copy, forward, recomputed and backward, at the
+# unscanned and scanned MoE sites.
 EXPECTED_KERNELS = {
     "gmm_mgpu": 4, "tgmm_mgpu": 2,
     "chunk_cumsum_kernel": 2, "strip_scores_kernel": 2, "inverse_kernel": 2, "wu_kernel": 2,
@@ -25,6 +27,7 @@ EXPECTED_KERNELS = {
     "attention_fwd": 2, "attention_dq": 1, "attention_dkv": 1,
     "qb_margin_rows": 2, "qb_margin_columns": 2,
     "attnres_mix_backward": 3, "short_conv_backward": 1,
+    "moe_gather_rows": 24,
 }
 
 
