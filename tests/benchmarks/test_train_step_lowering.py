@@ -51,7 +51,7 @@ def test_the_gpu_step_lowers_on_cpu_with_every_kernel(row):
   assert "lower_profile" not in row                                   # only when asked
   assert row["lowered_kernels"] == EXPECTED_KERNELS
   calls = row["lowered_custom_calls"]
-  assert calls["mosaic_gpu_v2"] == 6 and calls["__gpu$xla.gpu.triton"] == 28
+  assert calls["mosaic_gpu_v2"] == 6 and calls["__gpu$xla.gpu.triton"] == 52     # 24 row copies
   # One device: the scanned layers' saved residuals go to unwritten buffers (layer_scan).
   assert calls["AllocateBuffer"] > 0
   assert row["trace_s"] > 0 and row["lower_s"] > 0 and row["stablehlo_ops"] > 10_000
