@@ -17,8 +17,7 @@ from tests.configs import k3_h200, k3_tiny, quick
 # forward and again in the backward's recompute, and the backward kernels. MLA: the flash
 # forward (also recomputed) and its two backward kernels. QB's two kernels, AttnRes' backward,
 # the short conv's backward. The dispatch's row copies (k3_h200's `gather_backend = "auto"` takes
-# the row-copy kernel on a GPU): one Triton call per copy, forward, recomputed and backward, at the
-# unscanned and scanned MoE sites.
+# the row-copy kernel on a GPU): one Triton call per copy in the lowered step.
 EXPECTED_KERNELS = {
     "gmm_mgpu": 4, "tgmm_mgpu": 2,
     "chunk_cumsum_kernel": 2, "strip_scores_kernel": 2, "inverse_kernel": 2, "wu_kernel": 2,
