@@ -3,16 +3,22 @@ skipping, emitting the per-row max logit from the forward's own online softmax.
 
 Three kernels, in the native [B, T, H, ·] layout (BlockSpecs squeeze B and H, so no transposes):
 * forward, grid (query blocks, B, H): one query block against the key blocks lo ≤ j < hi of
-  tiles.key_block_ranges (only tiles whose segment-id ranges meet and that are not above the
+  tiles.key_block_schedule (only tiles whose segment-id ranges meet and that are not above the
   causal diagonal); online softmax in fp32; writes out, the logsumexp and the row max of the
   masked logits — the exact max logit of the row, so max_logit needs no pass of its own.
-* dK/dV, grid (key blocks, B, H): loops over the query blocks of tiles.query_block_ranges,
+* dK/dV, grid (key blocks, B, H): loops over the query blocks of tiles.query_block_schedule,
   recomputing P = exp(S − lse); dV += Pᵀ dO, dS = P ⊙ (dO Vᵀ − Δ), dK += dSᵀ Q.
 * dQ, grid (query blocks, B, H): the forward's key blocks again; dQ += dS K.
 Δ = rowsum(dO ⊙ O) is one fused XLA elementwise-reduce. The masks use −inf (never a finite
 stand-in), so a row's running max is exactly the largest allowed logit, and rows with no allowed
 key give out 0, lse −inf and zero gradients. A fourth kernel (row_max_pallas_gpu) is the
 forward's tiles without softmax or values: the max-logit pass of the cudnn backend.
+
+Per pair the kernels do little besides the two (forward) or four (backward) tile dots, so the
+elementwise work between them counts: each loop runs in three parts, the mask (segment-id and
+causal comparisons, a select) applied only on the tiles that are not full (tiles.py: a
+document's edges and the diagonal), and the exponentials are base 2 with the scale and log2(e)
+folded into one multiply-add, P = 2^(c·(Q·K) − log2(e)·lse), c = scale · log2(e).
 
 Head dims need not be powers of two: a dim D (a multiple of 16, ≤ 256) is split into
 power-of-two parts (192 = 128 + 64) that are separate BlockSpec views of the same array, so
@@ -42,6 +48,7 @@ from pallas_kernels.attention import tiles
 from pallas_kernels.attention.vjp import differentiable_attention
 
 F32 = jnp.float32
+LOG2_E = 1.4426950408889634                # log2(e): exp(x) = 2^(x · log2(e))
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 MAX_HEAD_DIM = 256
 
@@ -169,13 +176,18 @@ def _mm_tn(a, b, dtype):
                          preferred_element_type=F32, precision=_precision(dtype))
 
 
-def _logits(q_parts, k_parts, scale, dtype):
-  """scale · Q Kᵀ [rows, keys] in fp32, summed over the head-dim parts."""
+def _logit_dots(q_parts, k_parts, dtype):
+  """Q Kᵀ [rows, keys] in fp32 (unscaled), summed over the head-dim parts."""
   s = None
   for q, k in zip(q_parts, k_parts):
     d = _mm_nt(q, k, dtype)
     s = d if s is None else s + d
-  return s * scale
+  return s
+
+
+def _logits(q_parts, k_parts, scale, dtype):
+  """scale · Q Kᵀ [rows, keys] in fp32, summed over the head-dim parts."""
+  return _logit_dots(q_parts, k_parts, dtype) * scale
 
 
 def _allowed(seg_q, last_q, seg_k, start_k, block_k):
@@ -192,37 +204,53 @@ def _split(refs, counts):
   return out
 
 
-def _fwd_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, *refs, nkp, nvp, scale, block_k,
-                dtype):
-  """One query block: out parts, lse and row max (see module doc)."""
+def _masked_then_full_loops(lo, full_lo, full_hi, hi, step, init):
+  """step(i, carry, masked) over lo ≤ i < hi: with the mask on [lo, full_lo) and [full_hi, hi),
+  without it on the full tiles full_lo ≤ i < full_hi (tiles.py: every pair there is allowed)."""
+  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), init)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+def _fwd_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, *refs,
+                nkp, nvp, scale, block_k, dtype):
+  """One query block: out parts, lse and row max (see module doc).
+
+  The running max is kept of the unscaled dots Q·K (scale > 0 keeps the order, and scale · max is
+  exactly the max of the scaled logits), and the exponentials are base 2: p = 2^(c·d − c·m) with
+  c = scale · log2(e), one multiply-add and one exp2 per pair."""
   q_refs, k_refs, v_refs, o_refs, (lse_ref, m_ref) = _split(refs, (nkp, nkp, nvp, nvp, 2))
   bq = qseg_ref.shape[0]
+  c = scale * LOG2_E
   q_parts = [r[...] for r in q_refs]
   seg_q, last_q = qseg_ref[...], qlast_ref[...]
 
-  def step(j, carry):
+  def step(j, carry, masked):
     accs, m_q, l_q = carry
     start = pl.multiple_of(j * block_k, block_k)
     keys = pl.ds(start, block_k)
-    s = _logits(q_parts, [r[keys, :] for r in k_refs], scale, dtype)
-    s = jnp.where(_allowed(seg_q, last_q, kseg_ref[keys], start, block_k), s, -jnp.inf)
-    m_new = jnp.maximum(m_q, jnp.max(s, axis=1))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # row empty so far: exps stay finite
-    alpha = jnp.exp(m_q - m_use)
-    p = jnp.exp(s - m_use[:, None])
+    d = _logit_dots(q_parts, [r[keys, :] for r in k_refs], dtype)
+    if masked:
+      d = jnp.where(_allowed(seg_q, last_q, kseg_ref[keys], start, block_k), d, -jnp.inf)
+    m_new = jnp.maximum(m_q, jnp.max(d, axis=1))
+    cm = c * jnp.where(m_new == -jnp.inf, 0.0, m_new)   # row empty so far: exps stay finite
+    alpha = jnp.exp2(c * m_q - cm)
+    p = jnp.exp2(d * c - cm[:, None])
     l_q = l_q * alpha + jnp.sum(p, axis=1)
     accs = tuple(a * alpha[:, None] + _mm(p, r[keys, :], dtype) for a, r in zip(accs, v_refs))
     return accs, m_new, l_q
 
   init = (tuple(jnp.zeros((bq, r.shape[-1]), F32) for r in o_refs),
           jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32))
-  accs, m_q, l_q = lax.fori_loop(lo_ref[()], hi_ref[()], step, init)
+  accs, m_q, l_q = _masked_then_full_loops(lo_ref[()], full_lo_ref[()], full_hi_ref[()],
+                                           hi_ref[()], step, init)
   empty = l_q == 0.0
   inv_l = 1.0 / jnp.where(empty, 1.0, l_q)
   for o_ref, acc in zip(o_refs, accs):
     o_ref[...] = (acc * inv_l[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, -jnp.inf, m_q + jnp.log(jnp.where(empty, 1.0, l_q)))
-  m_ref[...] = m_q
+  row_max = m_q * scale
+  lse_ref[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log(jnp.where(empty, 1.0, l_q)))
+  m_ref[...] = row_max
 
 
 def _row_max_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, *refs, nkp, scale, block_k,
@@ -243,71 +271,83 @@ def _row_max_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, *refs, nkp, s
   m_ref[...] = lax.fori_loop(lo_ref[()], hi_ref[()], step, jnp.full((bq,), -jnp.inf, F32))
 
 
-def _probs(s, ok, lse):
-  """P = exp(S − lse) on allowed pairs, 0 elsewhere (rows with lse = −inf have none)."""
-  lse = jnp.where(lse == -jnp.inf, 0.0, lse)
-  return jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
+def _probs(d, lse2, c, ok=None):
+  """P = 2^(c·d − lse2) = exp(scale·d − lse) on allowed pairs, 0 elsewhere (ok None: all
+  allowed). lse2 = log2(e) · lse, with rows of lse −inf (no allowed key) taken as 0."""
+  p = jnp.exp2(d * c - lse2[:, None])
+  return p if ok is None else jnp.where(ok, p, 0.0)
 
 
-def _dkv_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, lse_ref, delta_ref, *refs, nkp,
-                nvp, scale, block_q, dtype):
+def _lse2(lse):
+  """log2(e) · lse, rows without keys (−inf) as 0 (their P is masked to 0)."""
+  return jnp.where(lse == -jnp.inf, 0.0, lse * LOG2_E)
+
+
+def _dkv_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, lse_ref,
+                delta_ref, *refs, nkp, nvp, scale, block_q, dtype):
   """One key block: dK, dV over the query blocks lo ≤ i < hi."""
   q_refs, k_refs, v_refs, do_refs, dk_refs, dv_refs = _split(refs, (nkp, nkp, nvp, nvp, nkp, nvp))
   bk = kseg_ref.shape[0]
+  c = scale * LOG2_E
   start_k = pl.program_id(0) * bk
   k_parts = [r[...] for r in k_refs]
   v_parts = [r[...] for r in v_refs]
   seg_k = kseg_ref[...]
 
-  def step(i, carry):
+  def step(i, carry, masked):
     dks, dvs = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q_parts = [r[rows, :] for r in q_refs]
     do_parts = [r[rows, :] for r in do_refs]
-    s = _logits(q_parts, k_parts, scale, dtype)
-    p = _probs(s, _allowed(qseg_ref[rows], qlast_ref[rows], seg_k, start_k, bk), lse_ref[rows])
+    d = _logit_dots(q_parts, k_parts, dtype)
+    ok = _allowed(qseg_ref[rows], qlast_ref[rows], seg_k, start_k, bk) if masked else None
+    p = _probs(d, _lse2(lse_ref[rows]), c, ok)
     dvs = tuple(a + _mm_tn(p, do, dtype) for a, do in zip(dvs, do_parts))
     dp = None
     for do, v in zip(do_parts, v_parts):
-      d = _mm_nt(do, v, dtype)
-      dp = d if dp is None else dp + d
+      dd = _mm_nt(do, v, dtype)
+      dp = dd if dp is None else dp + dd
     ds = p * (dp - delta_ref[rows][:, None])
     dks = tuple(a + _mm_tn(ds, q, dtype) for a, q in zip(dks, q_parts))
     return dks, dvs
 
   init = (tuple(jnp.zeros((bk, r.shape[-1]), F32) for r in dk_refs),
           tuple(jnp.zeros((bk, r.shape[-1]), F32) for r in dv_refs))
-  dks, dvs = lax.fori_loop(lo_ref[()], hi_ref[()], step, init)
+  dks, dvs = _masked_then_full_loops(lo_ref[()], full_lo_ref[()], full_hi_ref[()], hi_ref[()],
+                                     step, init)
   for r, a in zip(dk_refs, dks):
     r[...] = (a * scale).astype(r.dtype)
   for r, a in zip(dv_refs, dvs):
     r[...] = a.astype(r.dtype)
 
 
-def _dq_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, lse_ref, delta_ref, *refs, nkp,
-               nvp, scale, block_k, dtype):
+def _dq_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, lse_ref,
+               delta_ref, *refs, nkp, nvp, scale, block_k, dtype):
   """One query block: dQ over the key blocks lo ≤ j < hi."""
   q_refs, k_refs, v_refs, do_refs, dq_refs = _split(refs, (nkp, nkp, nvp, nvp, nkp))
+  c = scale * LOG2_E
   q_parts = [r[...] for r in q_refs]
   do_parts = [r[...] for r in do_refs]
   seg_q, last_q = qseg_ref[...], qlast_ref[...]
-  lse, delta = lse_ref[...], delta_ref[...]
+  lse2, delta = _lse2(lse_ref[...]), delta_ref[...]
 
-  def step(j, dqs):
+  def step(j, dqs, masked):
     start = pl.multiple_of(j * block_k, block_k)
     keys = pl.ds(start, block_k)
     k_parts = [r[keys, :] for r in k_refs]
-    s = _logits(q_parts, k_parts, scale, dtype)
-    p = _probs(s, _allowed(seg_q, last_q, kseg_ref[keys], start, block_k), lse)
+    d = _logit_dots(q_parts, k_parts, dtype)
+    ok = _allowed(seg_q, last_q, kseg_ref[keys], start, block_k) if masked else None
+    p = _probs(d, lse2, c, ok)
     dp = None
     for do, r in zip(do_parts, v_refs):
-      d = _mm_nt(do, r[keys, :], dtype)
-      dp = d if dp is None else dp + d
+      dd = _mm_nt(do, r[keys, :], dtype)
+      dp = dd if dp is None else dp + dd
     ds = p * (dp - delta[:, None])
     return tuple(a + _mm(ds, k, dtype) for a, k in zip(dqs, k_parts))
 
   init = tuple(jnp.zeros((r.shape[0], r.shape[-1]), F32) for r in dq_refs)
-  dqs = lax.fori_loop(lo_ref[()], hi_ref[()], step, init)
+  dqs = _masked_then_full_loops(lo_ref[()], full_lo_ref[()], full_hi_ref[()], hi_ref[()], step,
+                                init)
   for r, a in zip(dq_refs, dqs):
     r[...] = (a * scale).astype(r.dtype)
 
@@ -366,12 +406,12 @@ def _forward_call(q, k, v, q_seg, kv_seg, q_last, *, scale, config: Config, inte
   tk, dv = k.shape[1], v.shape[3]
   bq, bk = config.block_q, config.block_k
   kp, vp = head_parts(dk), head_parts(dv)
-  lo, hi = tiles.key_block_ranges(q_seg, kv_seg, q_last, bq, bk)
+  schedule = tiles.key_block_schedule(q_seg, kv_seg, q_last, bq, bk)
   kernel = functools.partial(_fwd_kernel, nkp=len(kp), nvp=len(vp), scale=scale, block_k=bk,
                              dtype=q.dtype)
-  in_specs = ([_SCALAR, _SCALAR, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-               pl.BlockSpec((bq,), lambda i, b, h: (i,)),
-               pl.BlockSpec((None, tk), lambda i, b, h: (b, 0))]
+  in_specs = ([_SCALAR] * 4 + [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                                pl.BlockSpec((bq,), lambda i, b, h: (i,)),
+                                pl.BlockSpec((None, tk), lambda i, b, h: (b, 0))]
               + _tiled(bq, kp) + _whole(tk, kp) + _whole(tk, vp))
   stats = jax.ShapeDtypeStruct((b, h, tq), F32)
   outs = pl.pallas_call(
@@ -380,7 +420,7 @@ def _forward_call(q, k, v, q_seg, kv_seg, q_last, *, scale, config: Config, inte
       out_shape=_part_outputs(q.shape, vp, q.dtype) + [stats, stats],
       compiler_params=_params(config.fwd_warps, config.fwd_stages, interpret),
       interpret=interpret, name="attention_fwd",
-  )(lo, hi, q_seg, q_last, kv_seg, *[q] * len(kp), *[k] * len(kp), *[v] * len(vp))
+  )(*schedule, q_seg, q_last, kv_seg, *[q] * len(kp), *[k] * len(kp), *[v] * len(vp))
   return _join(outs[:-2]), outs[-2], outs[-1]
 
 
@@ -414,13 +454,13 @@ def _backward_call(q, k, v, q_seg, kv_seg, q_last, lse, delta, dout, *, scale, c
 
   # dK, dV: one program per key block, grid axis 0 = key block.
   bq, bk = config.dkv_block_q, config.dkv_block_k
-  lo, hi = tiles.query_block_ranges(q_seg, kv_seg, q_last, bq, bk)
+  schedule = tiles.query_block_schedule(q_seg, kv_seg, q_last, bq, bk)
   kernel = functools.partial(_dkv_kernel, nkp=nkp, nvp=nvp, scale=scale, block_q=bq,
                              dtype=q.dtype)
-  in_specs = ([_SCALAR, _SCALAR, pl.BlockSpec((None, tq), lambda j, b, h: (b, 0)),
-               pl.BlockSpec((tq,), lambda j, b, h: (0,)),
-               pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-               _whole_stats_spec(tq), _whole_stats_spec(tq)]
+  in_specs = ([_SCALAR] * 4 + [pl.BlockSpec((None, tq), lambda j, b, h: (b, 0)),
+                                pl.BlockSpec((tq,), lambda j, b, h: (0,)),
+                                pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+                                _whole_stats_spec(tq), _whole_stats_spec(tq)]
               + _whole(tq, kp) + _tiled(bk, kp) + _tiled(bk, vp) + _whole(tq, vp))
   grads = pl.pallas_call(
       kernel, grid=(tk // bk, b, h), in_specs=in_specs,
@@ -428,18 +468,18 @@ def _backward_call(q, k, v, q_seg, kv_seg, q_last, lse, delta, dout, *, scale, c
       out_shape=_part_outputs(k.shape, kp, k.dtype) + _part_outputs(v.shape, vp, v.dtype),
       compiler_params=_params(config.dkv_warps, config.dkv_stages, interpret),
       interpret=interpret, name="attention_dkv",
-  )(lo, hi, q_seg, q_last, kv_seg, lse, delta, *operands)
+  )(*schedule, q_seg, q_last, kv_seg, lse, delta, *operands)
   dk_, dv_ = _join(grads[:nkp]), _join(grads[nkp:])
 
   # dQ: one program per query block.
   bq, bk = config.dq_block_q, config.dq_block_k
-  lo, hi = tiles.key_block_ranges(q_seg, kv_seg, q_last, bq, bk)
+  schedule = tiles.key_block_schedule(q_seg, kv_seg, q_last, bq, bk)
   kernel = functools.partial(_dq_kernel, nkp=nkp, nvp=nvp, scale=scale, block_k=bk,
                              dtype=q.dtype)
-  in_specs = ([_SCALAR, _SCALAR, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-               pl.BlockSpec((bq,), lambda i, b, h: (i,)),
-               pl.BlockSpec((None, tk), lambda i, b, h: (b, 0)),
-               _row_stats_spec(bq), _row_stats_spec(bq)]
+  in_specs = ([_SCALAR] * 4 + [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                                pl.BlockSpec((bq,), lambda i, b, h: (i,)),
+                                pl.BlockSpec((None, tk), lambda i, b, h: (b, 0)),
+                                _row_stats_spec(bq), _row_stats_spec(bq)]
               + _tiled(bq, kp) + _whole(tk, kp) + _whole(tk, vp) + _tiled(bq, vp))
   dqs = pl.pallas_call(
       kernel, grid=(tq // bq, b, h), in_specs=in_specs,
@@ -447,7 +487,7 @@ def _backward_call(q, k, v, q_seg, kv_seg, q_last, lse, delta, dout, *, scale, c
       out_shape=_part_outputs(q.shape, kp, q.dtype),
       compiler_params=_params(config.dq_warps, config.dq_stages, interpret),
       interpret=interpret, name="attention_dq",
-  )(lo, hi, q_seg, q_last, kv_seg, lse, delta, *operands)
+  )(*schedule, q_seg, q_last, kv_seg, lse, delta, *operands)
   return _join(dqs), dk_, dv_
 
 

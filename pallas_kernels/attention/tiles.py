@@ -10,6 +10,12 @@ is ≤ the largest q_last of its rows. That is a superset of the tiles with an a
 ids; with ids that do not decrease along T (packed documents) the kept tiles of a query block are
 one contiguous run of key blocks and almost all of them hold allowed pairs, so a kernel that
 loops from the first to the last kept tile skips all cross-document and above-diagonal work.
+
+A kept tile is *full* when every pair in it is allowed: its rows and keys all carry one id and
+its last key is ≤ the smallest q_last of its rows. A kernel needs no mask there (no per-pair id
+and index comparison, no select); with packed documents only the tiles on a document's edges and
+on the diagonal are not full. The schedules below give each block its first run of full tiles
+inside its kept range, so a kernel loops masked, unmasked, masked.
 """
 
 from __future__ import annotations
@@ -36,6 +42,17 @@ def tile_mask(q_seg, kv_seg, q_last, block_q: int, block_k: int) -> jax.Array:
   return meets_bij & (first_key_j[None, None, :] <= last_i[None, :, None])
 
 
+def tile_full(q_seg, kv_seg, q_last, block_q: int, block_k: int) -> jax.Array:
+  """full_bij [B, Tq / block_q, Tk / block_k] bool: every pair of the tile is allowed."""
+  qmin_bi, qmax_bi = block_min_max(q_seg, block_q)
+  kmin_bj, kmax_bj = block_min_max(kv_seg, block_k)
+  first_last_i = jnp.min(q_last.reshape(-1, block_q), axis=1)
+  last_key_j = (jnp.arange(kv_seg.shape[1] // block_k, dtype=jnp.int32) + 1) * block_k - 1
+  one_id_bij = ((qmin_bi == qmax_bi)[:, :, None] & (kmin_bj == kmax_bj)[:, None, :]
+                & (qmin_bi[:, :, None] == kmin_bj[:, None, :]))
+  return one_id_bij & (last_key_j[None, None, :] <= first_last_i[None, :, None])
+
+
 def _first_last(keep_bxn: jax.Array) -> tuple[jax.Array, jax.Array]:
   """For each row of keep [..., N]: (first kept index, one past the last), (0, 0) if none kept."""
   n = keep_bxn.shape[-1]
@@ -43,6 +60,23 @@ def _first_last(keep_bxn: jax.Array) -> tuple[jax.Array, jax.Array]:
   first = jnp.argmax(keep_bxn, axis=-1).astype(jnp.int32)
   end = (n - jnp.argmax(keep_bxn[..., ::-1], axis=-1)).astype(jnp.int32)
   return jnp.where(any_bx, first, 0), jnp.where(any_bx, end, 0)
+
+
+def _first_full_run(full_bxn: jax.Array, hi_bx: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(start, end) of each row's first run of consecutive full tiles; (hi, hi) if it has none."""
+  n = full_bxn.shape[-1]
+  idx_n = jnp.arange(n, dtype=jnp.int32)
+  start = jnp.argmax(full_bxn, axis=-1).astype(jnp.int32)
+  after_run = jnp.where(~full_bxn & (idx_n >= start[..., None]), idx_n, n)
+  end = jnp.min(after_run, axis=-1).astype(jnp.int32)
+  any_bx = jnp.any(full_bxn, axis=-1)
+  return jnp.where(any_bx, start, hi_bx), jnp.where(any_bx, end, hi_bx)
+
+
+def _schedule(keep_bxn, full_bxn):
+  lo, hi = _first_last(keep_bxn)
+  full_lo, full_hi = _first_full_run(full_bxn, hi)
+  return lo, full_lo, full_hi, hi
 
 
 def key_block_ranges(q_seg, kv_seg, q_last, block_q: int, block_k: int):
@@ -54,6 +88,22 @@ def query_block_ranges(q_seg, kv_seg, q_last, block_q: int, block_k: int):
   """(lo, hi) [B, Tk / block_k] int32: key block j loops over query blocks lo ≤ i < hi."""
   keep_bji = jnp.swapaxes(tile_mask(q_seg, kv_seg, q_last, block_q, block_k), 1, 2)
   return _first_last(keep_bji)
+
+
+def key_block_schedule(q_seg, kv_seg, q_last, block_q: int, block_k: int):
+  """(lo, full_lo, full_hi, hi) [B, Tq / block_q] int32, lo ≤ full_lo ≤ full_hi ≤ hi: query
+  block i loops over key blocks lo ≤ j < hi, of which full_lo ≤ j < full_hi are full."""
+  return _schedule(tile_mask(q_seg, kv_seg, q_last, block_q, block_k),
+                   tile_full(q_seg, kv_seg, q_last, block_q, block_k))
+
+
+def query_block_schedule(q_seg, kv_seg, q_last, block_q: int, block_k: int):
+  """(lo, full_lo, full_hi, hi) [B, Tk / block_k] int32: key block j loops over query blocks
+  lo ≤ i < hi, of which full_lo ≤ i < full_hi are full."""
+  def by_key(x_bij):
+    return jnp.swapaxes(x_bij, 1, 2)
+  return _schedule(by_key(tile_mask(q_seg, kv_seg, q_last, block_q, block_k)),
+                   by_key(tile_full(q_seg, kv_seg, q_last, block_q, block_k)))
 
 
 def key_block_span(q_seg, kv_seg, q_last, block_k: int):

@@ -243,6 +243,83 @@ def test_tile_ranges_skip_other_documents():
   np.testing.assert_array_equal(hi[0], (i // 4) * 4 + 4)
 
 
+def test_tile_schedule_full_tiles_need_no_mask():
+  """With 4 equal documents of 64 and 16-row blocks, the full tiles are those strictly below the
+  diagonal inside a document; each block's full run lies inside its kept range."""
+  from pallas_kernels.attention import tiles
+  seg = jnp.asarray(np.repeat(np.arange(4), 64)[None].astype(np.int32))
+  last = last_keys(0, 256, 256, True)
+  i = np.arange(16)
+  lo, full_lo, full_hi, hi = (np.asarray(x[0]) for x in
+                              tiles.key_block_schedule(seg, seg, last, 16, 16))
+  first_of_doc = i % 4 == 0                  # its only kept tile is the diagonal
+  np.testing.assert_array_equal(lo, (i // 4) * 4)
+  np.testing.assert_array_equal(hi, i + 1)
+  np.testing.assert_array_equal(full_lo, np.where(first_of_doc, i + 1, (i // 4) * 4))
+  np.testing.assert_array_equal(full_hi, np.where(first_of_doc, i + 1, i))
+  lo, full_lo, full_hi, hi = (np.asarray(x[0]) for x in
+                              tiles.query_block_schedule(seg, seg, last, 16, 16))
+  last_of_doc = i % 4 == 3
+  np.testing.assert_array_equal(lo, i)
+  np.testing.assert_array_equal(hi, (i // 4) * 4 + 4)
+  np.testing.assert_array_equal(full_lo, np.where(last_of_doc, hi, i + 1))
+  np.testing.assert_array_equal(full_hi, hi)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tile_schedule_against_dense_mask(seed):
+  """Random packed layouts (ids that come back, documents of any length, query shards, padding
+  rows): every allowed pair lies in a kept tile, every pair of a tile in a block's full run is
+  allowed, and the run starts at the block's first full tile; lo ≤ full_lo ≤ full_hi ≤ hi."""
+  from pallas_kernels.attention import tiles
+  rng = np.random.default_rng(seed)
+  bq, bk, tq, tk = (16, 8, 48, 64) if seed % 2 else (8, 16, 64, 64)
+  lengths = rng.integers(1, 30, size=12)
+  seg_k = np.repeat(rng.integers(0, 3 if seed > 2 else 12, size=12), lengths)[:tk]
+  seg_k = np.pad(seg_k, (0, tk - len(seg_k)), mode="edge")[None].astype(np.int32)
+  offset = tk - tq
+  seg_q = seg_k[:, offset:]
+  last = np.array(last_keys(offset, tq, tk, seed % 3 != 0))
+  if seed == 4:
+    last[-5:] = -1                                            # padding rows see nothing
+  allowed = (seg_q[0][:, None] == seg_k[0][None, :]) & (np.arange(tk)[None, :] <= last[:, None])
+  tile_ok = allowed.reshape(tq // bq, bq, tk // bk, bk)
+  any_ij, all_ij = tile_ok.any(axis=(1, 3)), tile_ok.all(axis=(1, 3))
+  args = (jnp.asarray(seg_q), jnp.asarray(seg_k), jnp.asarray(last, jnp.int32), bq, bk)
+  for ranges, any_xy, all_xy in ((tiles.key_block_schedule(*args), any_ij, all_ij),
+                                 (tiles.query_block_schedule(*args), any_ij.T, all_ij.T)):
+    lo, full_lo, full_hi, hi = (np.asarray(x[0]) for x in ranges)
+    assert np.all((lo <= full_lo) & (full_lo <= full_hi) & (full_hi <= hi))
+    for x in range(len(lo)):
+      needed = np.flatnonzero(any_xy[x])
+      assert np.all((needed >= lo[x]) & (needed < hi[x])), (x, needed, lo[x], hi[x])
+      assert np.all(all_xy[x, full_lo[x]:full_hi[x]]), (x, full_lo[x], full_hi[x])
+      full = np.flatnonzero(all_xy[x])
+      if len(full):                          # the run starts at the block's first full tile
+        assert full_lo[x] == full[0] and full_hi[x] > full_lo[x], (x, full, full_lo[x])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_pallas_gpu_full_tiles_match_reference(causal):
+  """Two long documents (37 and 91 tokens) and a third id: most tiles of the 16-row blocks are
+  full, so the kernels' unmasked loops carry most of the work; fp32 against the fp64 reference
+  (2e-5), and bf16 against the fp32 reference (as test_bf16_matches_reference)."""
+  seg = np.repeat([3, 1, 4], [37, 91, 16])[None].repeat(2, axis=0).astype(np.int32)
+  seg[1] = np.repeat([0, 2], [80, 64])
+  q, k, v, w = make_inputs(7, t=144)
+  got = run(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, w)), jnp.asarray(seg),
+            "pallas_gpu", causal=causal)
+  assert_close(got, reference_fp64(q, k, v, w, seg, causal=causal), rtol=2e-5,
+               what=f"full tiles causal={causal}")
+  qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  wf = jnp.asarray(w, jnp.float32)
+  got = run(qb, kb, vb, wf, jnp.asarray(seg), "pallas_gpu", causal=causal)
+  want = run(qb, kb, vb, wf, jnp.asarray(seg), "reference", causal=causal)
+  assert_close(got[1:2], want[1:2], rtol=1e-5, what="full tiles bf16", names=("max_logit",))
+  assert_close([got[0]] + got[2:], [want[0]] + want[2:], rtol=2e-2, what="full tiles bf16",
+               names=("out", "dq", "dk", "dv"))
+
+
 def test_pallas_gpu_lowers_for_cuda():
   """The three kernels (and the max-logit pass) at the K3 head dims lower to Triton for CUDA
   (no GPU needed: this catches Pallas-Triton lowering errors, e.g. non-power-of-two blocks)."""
