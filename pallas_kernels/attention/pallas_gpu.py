@@ -185,11 +185,6 @@ def _logit_dots(q_parts, k_parts, dtype):
   return s
 
 
-def _logits(q_parts, k_parts, scale, dtype):
-  """scale · Q Kᵀ [rows, keys] in fp32, summed over the head-dim parts."""
-  return _logit_dots(q_parts, k_parts, dtype) * scale
-
-
 def _allowed(seg_q, last_q, seg_k, start_k, block_k):
   """[rows, keys] bool: same segment and key index start_k + c ≤ q_last of the row."""
   cols = start_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
@@ -253,22 +248,25 @@ def _fwd_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, k
   m_ref[...] = row_max
 
 
-def _row_max_kernel(lo_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, *refs, nkp, scale, block_k,
-                    dtype):
+def _row_max_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref,
+                    *refs, nkp, scale, block_k, dtype):
   """One query block: only the row max of the masked logits (no softmax, no values)."""
   q_refs, k_refs, (m_ref,) = _split(refs, (nkp, nkp, 1))
   bq = qseg_ref.shape[0]
   q_parts = [r[...] for r in q_refs]
   seg_q, last_q = qseg_ref[...], qlast_ref[...]
 
-  def step(j, m_q):
+  def step(j, m_q, masked):
     start = pl.multiple_of(j * block_k, block_k)
     keys = pl.ds(start, block_k)
-    s = _logits(q_parts, [r[keys, :] for r in k_refs], scale, dtype)
-    s = jnp.where(_allowed(seg_q, last_q, kseg_ref[keys], start, block_k), s, -jnp.inf)
-    return jnp.maximum(m_q, jnp.max(s, axis=1))
+    d = _logit_dots(q_parts, [r[keys, :] for r in k_refs], dtype)
+    if masked:
+      d = jnp.where(_allowed(seg_q, last_q, kseg_ref[keys], start, block_k), d, -jnp.inf)
+    return jnp.maximum(m_q, jnp.max(d, axis=1))
 
-  m_ref[...] = lax.fori_loop(lo_ref[()], hi_ref[()], step, jnp.full((bq,), -jnp.inf, F32))
+  m_q = _masked_then_full_loops(lo_ref[()], full_lo_ref[()], full_hi_ref[()], hi_ref[()], step,
+                                jnp.full((bq,), -jnp.inf, F32))
+  m_ref[...] = m_q * scale
 
 
 def _probs(d, lse2, c, ok=None):
@@ -429,19 +427,19 @@ def _row_max_call(q, k, q_seg, kv_seg, q_last, *, scale, config: Config, interpr
   tk = k.shape[1]
   bq, bk = config.block_q, config.block_k
   kp = head_parts(dk)
-  lo, hi = tiles.key_block_ranges(q_seg, kv_seg, q_last, bq, bk)
+  schedule = tiles.key_block_schedule(q_seg, kv_seg, q_last, bq, bk)
   kernel = functools.partial(_row_max_kernel, nkp=len(kp), scale=scale, block_k=bk,
                              dtype=q.dtype)
-  in_specs = ([_SCALAR, _SCALAR, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-               pl.BlockSpec((bq,), lambda i, b, h: (i,)),
-               pl.BlockSpec((None, tk), lambda i, b, h: (b, 0))]
+  in_specs = ([_SCALAR] * 4 + [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                                pl.BlockSpec((bq,), lambda i, b, h: (i,)),
+                                pl.BlockSpec((None, tk), lambda i, b, h: (b, 0))]
               + _tiled(bq, kp) + _whole(tk, kp))
   return pl.pallas_call(
       kernel, grid=(tq // bq, b, h), in_specs=in_specs, out_specs=_row_stats_spec(bq),
       out_shape=jax.ShapeDtypeStruct((b, h, tq), F32),
       compiler_params=_params(config.fwd_warps, config.fwd_stages, interpret),
       interpret=interpret, name="attention_row_max",
-  )(lo, hi, q_seg, q_last, kv_seg, *[q] * len(kp), *[k] * len(kp))
+  )(*schedule, q_seg, q_last, kv_seg, *[q] * len(kp), *[k] * len(kp))
 
 
 def _backward_call(q, k, v, q_seg, kv_seg, q_last, lse, delta, dout, *, scale, config: Config,

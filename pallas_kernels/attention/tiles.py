@@ -79,17 +79,6 @@ def _schedule(keep_bxn, full_bxn):
   return lo, full_lo, full_hi, hi
 
 
-def key_block_ranges(q_seg, kv_seg, q_last, block_q: int, block_k: int):
-  """(lo, hi) [B, Tq / block_q] int32: query block i loops over key blocks lo ≤ j < hi."""
-  return _first_last(tile_mask(q_seg, kv_seg, q_last, block_q, block_k))
-
-
-def query_block_ranges(q_seg, kv_seg, q_last, block_q: int, block_k: int):
-  """(lo, hi) [B, Tk / block_k] int32: key block j loops over query blocks lo ≤ i < hi."""
-  keep_bji = jnp.swapaxes(tile_mask(q_seg, kv_seg, q_last, block_q, block_k), 1, 2)
-  return _first_last(keep_bji)
-
-
 def key_block_schedule(q_seg, kv_seg, q_last, block_q: int, block_k: int):
   """(lo, full_lo, full_hi, hi) [B, Tq / block_q] int32, lo ≤ full_lo ≤ full_hi ≤ hi: query
   block i loops over key blocks lo ≤ j < hi, of which full_lo ≤ j < full_hi are full."""

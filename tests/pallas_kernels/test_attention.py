@@ -228,24 +228,10 @@ def test_cudnn_segment_runs():
   assert bool(ok) and lengths.tolist() == [[7, -1]]
 
 
-def test_tile_ranges_skip_other_documents():
-  """With 4 equal documents of 64 and 16-row blocks, query block i loops over exactly the key
-  blocks of its own document up to the diagonal, and key block j over its document's queries."""
-  from pallas_kernels.attention import tiles
-  seg = jnp.asarray(np.repeat(np.arange(4), 64)[None].astype(np.int32))
-  last = last_keys(0, 256, 256, True)
-  lo, hi = tiles.key_block_ranges(seg, seg, last, 16, 16)
-  i = np.arange(16)
-  np.testing.assert_array_equal(lo[0], (i // 4) * 4)
-  np.testing.assert_array_equal(hi[0], i + 1)
-  lo, hi = tiles.query_block_ranges(seg, seg, last, 16, 16)
-  np.testing.assert_array_equal(lo[0], i)
-  np.testing.assert_array_equal(hi[0], (i // 4) * 4 + 4)
-
-
 def test_tile_schedule_full_tiles_need_no_mask():
-  """With 4 equal documents of 64 and 16-row blocks, the full tiles are those strictly below the
-  diagonal inside a document; each block's full run lies inside its kept range."""
+  """With 4 equal documents of 64 and 16-row blocks, query block i loops over exactly the key
+  blocks of its own document up to the diagonal, and key block j over its document's queries;
+  the full tiles are those strictly below the diagonal inside a document."""
   from pallas_kernels.attention import tiles
   seg = jnp.asarray(np.repeat(np.arange(4), 64)[None].astype(np.int32))
   last = last_keys(0, 256, 256, True)
@@ -318,6 +304,12 @@ def test_pallas_gpu_full_tiles_match_reference(causal):
   assert_close(got[1:2], want[1:2], rtol=1e-5, what="full tiles bf16", names=("max_logit",))
   assert_close([got[0]] + got[2:], [want[0]] + want[2:], rtol=2e-2, what="full tiles bf16",
                names=("out", "dq", "dk", "dv"))
+  # The max-logit pass (cudnn's companion kernel) gives the forward kernel's row max, bit for bit.
+  last = last_keys(0, 144, 144, causal)
+  args = (qb, kb, jnp.asarray(seg), jnp.asarray(seg), last)
+  _, row_max = pallas_gpu.attention_pallas_gpu(qb, kb, vb, *args[2:], scale=SCALE, interpret=True)
+  np.testing.assert_array_equal(
+      pallas_gpu.row_max_pallas_gpu(*args, scale=SCALE, interpret=True), row_max)
 
 
 def test_pallas_gpu_lowers_for_cuda():
