@@ -15,10 +15,11 @@ key give out 0, lse −inf and zero gradients. A fourth kernel (row_max_pallas_g
 forward's tiles without softmax or values: the max-logit pass of the cudnn backend.
 
 Per pair the kernels do little besides the two (forward) or four (backward) tile dots, so the
-elementwise work between them counts: each loop runs in three parts, the mask (segment-id and
-causal comparisons, a select) applied only on the tiles that are not full (tiles.py: a
-document's edges and the diagonal), and the exponentials are base 2 with the scale and log2(e)
-folded into one multiply-add, P = 2^(c·(Q·K) − log2(e)·lse), c = scale · log2(e).
+elementwise work between them counts. The mask (segment-id and causal comparisons, a select) is
+applied under a branch only on the tiles that are not full (tiles.py: a document's edges and
+the diagonal), and the exponentials are base 2 with the scale and log2(e) folded into one
+multiply-add, P = 2^(c·(Q·K) − log2(e)·lse), c = scale · log2(e) (libdevice's expf wraps
+the same ex2 instruction in a range reduction).
 
 Head dims need not be powers of two: a dim D (a multiple of 16, ≤ 256) is split into
 power-of-two parts (192 = 128 + 64) that are separate BlockSpec views of the same array, so
@@ -199,12 +200,12 @@ def _split(refs, counts):
   return out
 
 
-def _masked_then_full_loops(lo, full_lo, full_hi, hi, step, init):
-  """step(i, carry, masked) over lo ≤ i < hi: with the mask on [lo, full_lo) and [full_hi, hi),
-  without it on the full tiles full_lo ≤ i < full_hi (tiles.py: every pair there is allowed)."""
-  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), init)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+def _masked_outside(full_lo, full_hi, tile, x, mask):
+  """mask(x) on a tile outside the full run full_lo ≤ tile < full_hi, x itself inside it
+  (tiles.py: every pair there is allowed). The branch is uniform over the program, so the loop
+  stays one software-pipelined loop and only the tiles that need the mask pay for it."""
+  outside = (tile < full_lo) | (tile >= full_hi)
+  return lax.cond(outside, mask, lambda x: x, x)
 
 
 def _fwd_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, *refs,
@@ -220,13 +221,16 @@ def _fwd_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, k
   q_parts = [r[...] for r in q_refs]
   seg_q, last_q = qseg_ref[...], qlast_ref[...]
 
-  def step(j, carry, masked):
+  full_lo, full_hi = full_lo_ref[()], full_hi_ref[()]
+
+  def step(j, carry):
     accs, m_q, l_q = carry
     start = pl.multiple_of(j * block_k, block_k)
     keys = pl.ds(start, block_k)
     d = _logit_dots(q_parts, [r[keys, :] for r in k_refs], dtype)
-    if masked:
-      d = jnp.where(_allowed(seg_q, last_q, kseg_ref[keys], start, block_k), d, -jnp.inf)
+    seg_k = kseg_ref[keys]
+    d = _masked_outside(full_lo, full_hi, j, d, lambda d: jnp.where(
+        _allowed(seg_q, last_q, seg_k, start, block_k), d, -jnp.inf))
     m_new = jnp.maximum(m_q, jnp.max(d, axis=1))
     cm = c * jnp.where(m_new == -jnp.inf, 0.0, m_new)   # row empty so far: exps stay finite
     alpha = jnp.exp2(c * m_q - cm)
@@ -237,8 +241,7 @@ def _fwd_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, k
 
   init = (tuple(jnp.zeros((bq, r.shape[-1]), F32) for r in o_refs),
           jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32))
-  accs, m_q, l_q = _masked_then_full_loops(lo_ref[()], full_lo_ref[()], full_hi_ref[()],
-                                           hi_ref[()], step, init)
+  accs, m_q, l_q = lax.fori_loop(lo_ref[()], hi_ref[()], step, init)
   empty = l_q == 0.0
   inv_l = 1.0 / jnp.where(empty, 1.0, l_q)
   for o_ref, acc in zip(o_refs, accs):
@@ -256,24 +259,25 @@ def _row_max_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_re
   q_parts = [r[...] for r in q_refs]
   seg_q, last_q = qseg_ref[...], qlast_ref[...]
 
-  def step(j, m_q, masked):
+  full_lo, full_hi = full_lo_ref[()], full_hi_ref[()]
+
+  def step(j, m_q):
     start = pl.multiple_of(j * block_k, block_k)
     keys = pl.ds(start, block_k)
     d = _logit_dots(q_parts, [r[keys, :] for r in k_refs], dtype)
-    if masked:
-      d = jnp.where(_allowed(seg_q, last_q, kseg_ref[keys], start, block_k), d, -jnp.inf)
+    seg_k = kseg_ref[keys]
+    d = _masked_outside(full_lo, full_hi, j, d, lambda d: jnp.where(
+        _allowed(seg_q, last_q, seg_k, start, block_k), d, -jnp.inf))
     return jnp.maximum(m_q, jnp.max(d, axis=1))
 
-  m_q = _masked_then_full_loops(lo_ref[()], full_lo_ref[()], full_hi_ref[()], hi_ref[()], step,
-                                jnp.full((bq,), -jnp.inf, F32))
+  m_q = lax.fori_loop(lo_ref[()], hi_ref[()], step, jnp.full((bq,), -jnp.inf, F32))
   m_ref[...] = m_q * scale
 
 
-def _probs(d, lse2, c, ok=None):
-  """P = 2^(c·d − lse2) = exp(scale·d − lse) on allowed pairs, 0 elsewhere (ok None: all
+def _probs(d, lse2, c):
+  """P = 2^(c·d − lse2) = exp(scale·d − lse) for every pair (the caller zeroes the pairs not
   allowed). lse2 = log2(e) · lse, with rows of lse −inf (no allowed key) taken as 0."""
-  p = jnp.exp2(d * c - lse2[:, None])
-  return p if ok is None else jnp.where(ok, p, 0.0)
+  return jnp.exp2(d * c - lse2[:, None])
 
 
 def _lse2(lse):
@@ -291,15 +295,18 @@ def _dkv_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, k
   k_parts = [r[...] for r in k_refs]
   v_parts = [r[...] for r in v_refs]
   seg_k = kseg_ref[...]
+  full_lo, full_hi = full_lo_ref[()], full_hi_ref[()]
 
-  def step(i, carry, masked):
+  def step(i, carry):
     dks, dvs = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q_parts = [r[rows, :] for r in q_refs]
     do_parts = [r[rows, :] for r in do_refs]
     d = _logit_dots(q_parts, k_parts, dtype)
-    ok = _allowed(qseg_ref[rows], qlast_ref[rows], seg_k, start_k, bk) if masked else None
-    p = _probs(d, _lse2(lse_ref[rows]), c, ok)
+    seg_q, last_q = qseg_ref[rows], qlast_ref[rows]
+    p = _probs(d, _lse2(lse_ref[rows]), c)
+    p = _masked_outside(full_lo, full_hi, i, p, lambda p: jnp.where(
+        _allowed(seg_q, last_q, seg_k, start_k, bk), p, 0.0))
     dvs = tuple(a + _mm_tn(p, do, dtype) for a, do in zip(dvs, do_parts))
     dp = None
     for do, v in zip(do_parts, v_parts):
@@ -311,8 +318,7 @@ def _dkv_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, k
 
   init = (tuple(jnp.zeros((bk, r.shape[-1]), F32) for r in dk_refs),
           tuple(jnp.zeros((bk, r.shape[-1]), F32) for r in dv_refs))
-  dks, dvs = _masked_then_full_loops(lo_ref[()], full_lo_ref[()], full_hi_ref[()], hi_ref[()],
-                                     step, init)
+  dks, dvs = lax.fori_loop(lo_ref[()], hi_ref[()], step, init)
   for r, a in zip(dk_refs, dks):
     r[...] = (a * scale).astype(r.dtype)
   for r, a in zip(dv_refs, dvs):
@@ -328,14 +334,17 @@ def _dq_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, ks
   do_parts = [r[...] for r in do_refs]
   seg_q, last_q = qseg_ref[...], qlast_ref[...]
   lse2, delta = _lse2(lse_ref[...]), delta_ref[...]
+  full_lo, full_hi = full_lo_ref[()], full_hi_ref[()]
 
-  def step(j, dqs, masked):
+  def step(j, dqs):
     start = pl.multiple_of(j * block_k, block_k)
     keys = pl.ds(start, block_k)
     k_parts = [r[keys, :] for r in k_refs]
     d = _logit_dots(q_parts, k_parts, dtype)
-    ok = _allowed(seg_q, last_q, kseg_ref[keys], start, block_k) if masked else None
-    p = _probs(d, lse2, c, ok)
+    seg_k = kseg_ref[keys]
+    p = _probs(d, lse2, c)
+    p = _masked_outside(full_lo, full_hi, j, p, lambda p: jnp.where(
+        _allowed(seg_q, last_q, seg_k, start, block_k), p, 0.0))
     dp = None
     for do, r in zip(do_parts, v_refs):
       dd = _mm_nt(do, r[keys, :], dtype)
@@ -344,8 +353,7 @@ def _dq_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, ks
     return tuple(a + _mm(ds, k, dtype) for a, k in zip(dqs, k_parts))
 
   init = tuple(jnp.zeros((r.shape[0], r.shape[-1]), F32) for r in dq_refs)
-  dqs = _masked_then_full_loops(lo_ref[()], full_lo_ref[()], full_hi_ref[()], hi_ref[()], step,
-                                init)
+  dqs = lax.fori_loop(lo_ref[()], hi_ref[()], step, init)
   for r, a in zip(dq_refs, dqs):
     r[...] = (a * scale).astype(r.dtype)
 
