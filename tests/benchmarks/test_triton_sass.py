@@ -1,0 +1,37 @@
+"""benchmarks/triton_sass.py: the main-loop reading of a kernel's SASS (the compile path needs jax's
+CUDA plugin and nvdisasm, which CI does not install; it is exercised by running the script)."""
+
+from __future__ import annotations
+
+from benchmarks import triton_sass
+
+# nvdisasm's layout, cut down: a 2-instruction prologue, a loop of 7 instructions (.L_x_1 up to
+# its backward branch) holding a 3-instruction block that a forward branch can jump over, a short
+# inner retry loop of 2, and an epilogue.
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0030*/              @!P1 BRA P2, `(.L_x_2) ;
+        /*0040*/                   ISETP.GE.AND P3, PT, R4, R5, PT ;
+        /*0050*/                   FSEL R24, R24, -INF , !P3 ;
+        /*0060*/                   FSEL R25, R25, -INF , !P3 ;
+.L_x_2:
+        /*0070*/                   MUFU.EX2 R26, R24 ;
+        /*0080*/              @!P4 BRA `(.L_x_1) ;
+.L_x_0:
+.L_x_3:
+        /*0090*/                   NOP ;
+        /*00a0*/                   BRA `(.L_x_3);
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_main_loop_and_its_skippable_block():
+  assert triton_sass.main_loop(SASS) == {"loop": 7, "skippable": 3}
+
+
+def test_no_loop():
+  assert triton_sass.main_loop("        /*0000*/                   EXIT ;\n") == {
+      "loop": 0, "skippable": 0}
