@@ -224,6 +224,9 @@ SWEEP_DKV = [dict(dkv_block_q=32, dkv_block_k=64), dict(dkv_block_q=64, dkv_bloc
              dict(dkv_block_q=128, dkv_block_k=32), dict(dkv_block_q=64, dkv_block_k=32,
                                                           dkv_stages=2),
              dict(dkv_block_q=64, dkv_block_k=16)]
+# The keys-as-rows form (Config.dkv_keys_as_rows): wgmma needs 64 rows per warpgroup.
+SWEEP_DKV += [dict(dkv_block_q=q, dkv_block_k=k, dkv_warps=w, dkv_keys_as_rows=True)
+              for q, k, w in ((32, 64, 8), (32, 64, 4), (64, 64, 8), (32, 128, 8))]
 
 
 def sweep(shapes):

@@ -71,6 +71,12 @@ class Config:
   dkv_block_k: int = 32     # dK/dV: keys per program
   dkv_warps: int = 4
   dkv_stages: int = 3
+  # dK/dV in keys-as-rows form: Sᵀ = K Qᵀ computed directly, so Pᵀ·dO and dSᵀ·Q take their
+  # register operand untransposed. wgmma (Hopper's asynchronous tensor-core dot) wants that and
+  # 64 rows per warpgroup; the queries-as-rows form (the default) runs those two dots as mma.sync.
+  # Compiled for sm_90a at 64 keys × 32 queries and 8 warps it is wgmma only (benchmarks/
+  # triton_sass.py); untimed, so off by default.
+  dkv_keys_as_rows: bool = False
   dq_block_q: int = 64      # dQ: query rows per program
   dq_block_k: int = 32      # dQ: keys per loop step
   dq_warps: int = 4
@@ -87,6 +93,8 @@ class Config:
         raise ValueError(f"attention pallas_gpu: {f.name} must be 1, 2, 4, 8 or 16, got {val!r}")
       elif f.name.endswith("stages") and val not in (1, 2, 3, 4, 5):
         raise ValueError(f"attention pallas_gpu: {f.name} must be 1..5, got {val!r}")
+      elif f.name == "dkv_keys_as_rows" and not isinstance(val, bool):
+        raise ValueError(f"attention pallas_gpu: dkv_keys_as_rows must be a bool, got {val!r}")
 
   @property
   def query_multiple(self) -> int:
@@ -177,11 +185,12 @@ def _mm_tn(a, b, dtype):
                          preferred_element_type=F32, precision=_precision(dtype))
 
 
-def _logit_dots(q_parts, k_parts, dtype):
-  """Q Kᵀ [rows, keys] in fp32 (unscaled), summed over the head-dim parts."""
+def _dots_nt(a_parts, b_parts, dtype):
+  """A Bᵀ [rows of A, rows of B] in fp32, summed over the head-dim parts: the unscaled logits
+  Q Kᵀ (or K Qᵀ), and dO Vᵀ (or V dOᵀ)."""
   s = None
-  for q, k in zip(q_parts, k_parts):
-    d = _mm_nt(q, k, dtype)
+  for a, b in zip(a_parts, b_parts):
+    d = _mm_nt(a, b, dtype)
     s = d if s is None else s + d
   return s
 
@@ -227,7 +236,7 @@ def _fwd_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, k
     accs, m_q, l_q = carry
     start = pl.multiple_of(j * block_k, block_k)
     keys = pl.ds(start, block_k)
-    d = _logit_dots(q_parts, [r[keys, :] for r in k_refs], dtype)
+    d = _dots_nt(q_parts, [r[keys, :] for r in k_refs], dtype)
     seg_k = kseg_ref[keys]
     d = _masked_outside(full_lo, full_hi, j, d, lambda d: jnp.where(
         _allowed(seg_q, last_q, seg_k, start, block_k), d, -jnp.inf))
@@ -264,7 +273,7 @@ def _row_max_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_re
   def step(j, m_q):
     start = pl.multiple_of(j * block_k, block_k)
     keys = pl.ds(start, block_k)
-    d = _logit_dots(q_parts, [r[keys, :] for r in k_refs], dtype)
+    d = _dots_nt(q_parts, [r[keys, :] for r in k_refs], dtype)
     seg_k = kseg_ref[keys]
     d = _masked_outside(full_lo, full_hi, j, d, lambda d: jnp.where(
         _allowed(seg_q, last_q, seg_k, start, block_k), d, -jnp.inf))
@@ -286,8 +295,8 @@ def _lse2(lse):
 
 
 def _dkv_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, kseg_ref, lse_ref,
-                delta_ref, *refs, nkp, nvp, scale, block_q, dtype):
-  """One key block: dK, dV over the query blocks lo ≤ i < hi."""
+                delta_ref, *refs, nkp, nvp, scale, block_q, keys_as_rows, dtype):
+  """One key block: dK, dV over the query blocks lo ≤ i < hi (tiles oriented by keys_as_rows)."""
   q_refs, k_refs, v_refs, do_refs, dk_refs, dv_refs = _split(refs, (nkp, nkp, nvp, nvp, nkp, nvp))
   bk = kseg_ref.shape[0]
   c = scale * LOG2_E
@@ -297,23 +306,29 @@ def _dkv_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, k
   seg_k = kseg_ref[...]
   full_lo, full_hi = full_lo_ref[()], full_hi_ref[()]
 
+  keys_k1 = start_k + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+
   def step(i, carry):
     dks, dvs = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q_parts = [r[rows, :] for r in q_refs]
     do_parts = [r[rows, :] for r in do_refs]
-    d = _logit_dots(q_parts, k_parts, dtype)
     seg_q, last_q = qseg_ref[rows], qlast_ref[rows]
-    p = _probs(d, _lse2(lse_ref[rows]), c)
-    p = _masked_outside(full_lo, full_hi, i, p, lambda p: jnp.where(
-        _allowed(seg_q, last_q, seg_k, start_k, bk), p, 0.0))
-    dvs = tuple(a + _mm_tn(p, do, dtype) for a, do in zip(dvs, do_parts))
-    dp = None
-    for do, v in zip(do_parts, v_parts):
-      dd = _mm_nt(do, v, dtype)
-      dp = dd if dp is None else dp + dd
-    ds = p * (dp - delta_ref[rows][:, None])
-    dks = tuple(a + _mm_tn(ds, q, dtype) for a, q in zip(dks, q_parts))
+    lse2, delta = _lse2(lse_ref[rows]), delta_ref[rows]
+    if keys_as_rows:                         # [keys, queries] tiles: Pᵀ, dPᵀ, dSᵀ
+      p = jnp.exp2(_dots_nt(k_parts, q_parts, dtype) * c - lse2[None, :])
+      p = _masked_outside(full_lo, full_hi, i, p, lambda p: jnp.where(
+          (seg_k[:, None] == seg_q[None, :]) & (keys_k1 <= last_q[None, :]), p, 0.0))
+      dvs = tuple(a + _mm(p, do, dtype) for a, do in zip(dvs, do_parts))
+      ds = p * (_dots_nt(v_parts, do_parts, dtype) - delta[None, :])
+      dks = tuple(a + _mm(ds, q, dtype) for a, q in zip(dks, q_parts))
+    else:                                    # [queries, keys] tiles: P, dP, dS
+      p = _probs(_dots_nt(q_parts, k_parts, dtype), lse2, c)
+      p = _masked_outside(full_lo, full_hi, i, p, lambda p: jnp.where(
+          _allowed(seg_q, last_q, seg_k, start_k, bk), p, 0.0))
+      dvs = tuple(a + _mm_tn(p, do, dtype) for a, do in zip(dvs, do_parts))
+      ds = p * (_dots_nt(do_parts, v_parts, dtype) - delta[:, None])
+      dks = tuple(a + _mm_tn(ds, q, dtype) for a, q in zip(dks, q_parts))
     return dks, dvs
 
   init = (tuple(jnp.zeros((bk, r.shape[-1]), F32) for r in dk_refs),
@@ -340,16 +355,12 @@ def _dq_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, ks
     start = pl.multiple_of(j * block_k, block_k)
     keys = pl.ds(start, block_k)
     k_parts = [r[keys, :] for r in k_refs]
-    d = _logit_dots(q_parts, k_parts, dtype)
+    d = _dots_nt(q_parts, k_parts, dtype)
     seg_k = kseg_ref[keys]
     p = _probs(d, lse2, c)
     p = _masked_outside(full_lo, full_hi, j, p, lambda p: jnp.where(
         _allowed(seg_q, last_q, seg_k, start, block_k), p, 0.0))
-    dp = None
-    for do, r in zip(do_parts, v_refs):
-      dd = _mm_nt(do, r[keys, :], dtype)
-      dp = dd if dp is None else dp + dd
-    ds = p * (dp - delta[:, None])
+    ds = p * (_dots_nt(do_parts, [r[keys, :] for r in v_refs], dtype) - delta[:, None])
     return tuple(a + _mm(ds, k, dtype) for a, k in zip(dqs, k_parts))
 
   init = tuple(jnp.zeros((r.shape[0], r.shape[-1]), F32) for r in dq_refs)
@@ -462,7 +473,7 @@ def _backward_call(q, k, v, q_seg, kv_seg, q_last, lse, delta, dout, *, scale, c
   bq, bk = config.dkv_block_q, config.dkv_block_k
   schedule = tiles.query_block_schedule(q_seg, kv_seg, q_last, bq, bk)
   kernel = functools.partial(_dkv_kernel, nkp=nkp, nvp=nvp, scale=scale, block_q=bq,
-                             dtype=q.dtype)
+                             keys_as_rows=config.dkv_keys_as_rows, dtype=q.dtype)
   in_specs = ([_SCALAR] * 4 + [pl.BlockSpec((None, tq), lambda j, b, h: (b, 0)),
                                 pl.BlockSpec((tq,), lambda j, b, h: (0,)),
                                 pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),

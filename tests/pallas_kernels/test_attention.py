@@ -286,6 +286,23 @@ def test_tile_schedule_against_dense_mask(seed):
 
 
 @pytest.mark.parametrize("causal", [True, False])
+def test_pallas_gpu_dkv_keys_as_rows_matches_reference(causal):
+  """The dK/dV kernel's keys-as-rows form (Sᵀ = K Qᵀ tiles) against the fp64 reference, on the
+  packed layout of the other tests (16-row blocks, so masked and full tiles both occur)."""
+  q, k, v, w = (jnp.asarray(x, jnp.float32) for x in make_inputs(0))
+  with pallas_gpu.configured(**BLOCKS16, dkv_keys_as_rows=True):
+    got = run(q, k, v, w, jnp.asarray(SEGMENTS), "pallas_gpu", causal=causal)
+  assert_close(got, reference_case(causal), rtol=2e-5, what=f"keys as rows causal={causal}")
+  seg = np.repeat([3, 1, 4], [37, 91, 16])[None].astype(np.int32)
+  q, k, v, w = make_inputs(7, b=1, t=144)
+  with pallas_gpu.configured(**BLOCKS16, dkv_keys_as_rows=True):
+    got = run(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, w)), jnp.asarray(seg),
+              "pallas_gpu", causal=causal)
+  assert_close(got, reference_fp64(q, k, v, w, seg, causal=causal), rtol=2e-5,
+               what=f"keys as rows, full tiles, causal={causal}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
 def test_pallas_gpu_full_tiles_match_reference(causal):
   """Two long documents (37 and 91 tokens) and a third id: most tiles of the 16-row blocks are
   full, so the kernels' unmasked loops carry most of the work; fp32 against the fp64 reference
@@ -351,6 +368,7 @@ def test_pallas_gpu_lowers_for_cuda():
     (lambda q, k, v, s: attention(q, k, v, scale="x"), "scale"),
     (lambda q, k, v, s: attention(q[..., :40], k[..., :40], v, scale=1.0, backend="pallas_gpu"),
      "Dk must be a multiple of 16"),
+    (lambda q, k, v, s: pallas_gpu.Config(dkv_keys_as_rows=1), "dkv_keys_as_rows must be a bool"),
 ])
 def test_bad_arguments_name_the_argument(call, message):
   q, k, v, _ = (jnp.asarray(x, jnp.float32) for x in make_inputs(6, b=1, t=8))
