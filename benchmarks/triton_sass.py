@@ -3,7 +3,8 @@ spills, shared memory, ptxas's performance notes and the instructions of each ke
 
     pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"
     pip install nvidia-cuda-nvdisasm              # the SASS disassembler (no GPU needed)
-    python benchmarks/triton_sass.py --op=attention [--shape=4x4096x16x1] [--keep_dir=D]
+    python benchmarks/triton_sass.py --op=attention [--shape=4x4096x16x1] [--keep_dir=D] \
+        [--settings=dkv_block_k=64,dkv_block_q=32,dkv_warps=8,dkv_keys_as_rows=true]
 
 How: the op's forward and backward are traced and lowered for the GPU
 (`pallas_kernels.platform.targeting("gpu")`: real kernels, not interpret mode); each Triton
@@ -23,6 +24,7 @@ with benchmarks/attention.py.
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import importlib.util
 import json
@@ -58,7 +60,7 @@ def cuda_tool(name: str) -> str:
 
 def attention_program(shape: str):
   """(function, argument shapes): the MLA attention's forward and backward (bf16, Dk 192,
-  Dv 128, causal) at B x T x H x documents."""
+  Dv 128, causal) at B x T x H x documents. `--settings` are pallas_gpu.Config fields."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -76,7 +78,24 @@ def attention_program(shape: str):
                    ((b, t, h, 128), bf16)]
 
 
-OPS = {"attention": (attention_program, "4x4096x16x1")}
+def attention_settings(settings: dict):
+  from pallas_kernels.attention import pallas_gpu
+  return pallas_gpu.configured(**settings)
+
+
+# op: (program builder, default shape, context manager applying the kernel settings)
+OPS = {"attention": (attention_program, "4x4096x16x1", attention_settings)}
+
+
+def parse_settings(text: str) -> dict:
+  """"a=1,b=true" → {"a": 1, "b": True} (ints, true / false, else the string)."""
+  out = {}
+  for item in filter(None, text.split(",")):
+    name, _, value = item.partition("=")
+    low = value.strip().lower()
+    out[name.strip()] = (int(low) if low.lstrip("-").isdigit() else
+                         {"true": True, "false": False}.get(low, value.strip()))
+  return out
 
 
 def triton_calls(module_text_op):
@@ -150,6 +169,8 @@ def analyse(name, ir_bytes, warps, stages, arch, work_dir, ptxas, nvdisasm):
               registers=int(regs.group(1)) if regs else None,
               spill_bytes=max((int(s) for s in spills), default=0),
               instructions=len(_INSTRUCTION.findall(sass)), **main_loop(sass),
+              tensor_core_instructions=dict(sorted(collections.Counter(
+                  re.findall(r"\b(H?GMMA\.\S+|HMMA\.\S+)", sass)).items())),
               ptxas_performance_notes=perf)
 
 
@@ -159,6 +180,8 @@ def main():
   ap.add_argument("--shape", default=None, help="the op's shape (attention: B x T x H x docs)")
   ap.add_argument("--arch", default="9.0a", help="compute capability (9.0a: H100 / H200)")
   ap.add_argument("--keep_dir", default=None, help="keep each kernel's PTX, cubin and SASS here")
+  ap.add_argument("--settings", default="", help="kernel settings, name=value,... (the op's "
+                  "Config fields)")
   a = ap.parse_args()
   os.environ.update(gpu_target.environment())
   missing = gpu_target.missing_plugin()
@@ -169,24 +192,27 @@ def main():
   from jax.sharding import SingleDeviceSharding
   from pallas_kernels import platform
   device = gpu_target.devices(gpu_target.load("h200"))[0]   # registers the CUDA Triton handler
-  build, default_shape = OPS[a.op]
+  build, default_shape, settings_context = OPS[a.op]
+  settings = parse_settings(a.settings)
   fn, shapes = build(a.shape or default_shape)
   args = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(device)) for s, d in shapes]
-  with platform.targeting("gpu"):
+  with platform.targeting("gpu"), settings_context(settings):
     module = jax.jit(fn).trace(*args).lower().compiler_ir()
   work_dir = a.keep_dir or tempfile.mkdtemp()
   os.makedirs(work_dir, exist_ok=True)
   rows = [analyse(*call, a.arch, work_dir, ptxas, nvdisasm)
           for call in triton_calls(module.operation)]
   for row in rows:
-    print(json.dumps(dict(op=a.op, shape=a.shape or default_shape, arch=a.arch, **row)))
+    print(json.dumps(dict(op=a.op, shape=a.shape or default_shape, arch=a.arch,
+                          settings=settings, **row)))
   print("\n| kernel | warps, stages | registers | spill B | smem KiB | instructions | loop "
-        "| loop without the skippable block |")
-  print("|---|---|---|---|---|---|---|---|")
+        "| loop without the skippable block | tensor-core instructions |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
+    mma = ", ".join(f"{n} {k}" for k, n in r["tensor_core_instructions"].items())
     print(f"| {r['kernel']} | {r['warps']}, {r['stages']} | {r['registers']} | "
           f"{r['spill_bytes']} | {r['smem_bytes'] / 1024:.0f} | {r['instructions']} | "
-          f"{r['loop']} | {r['loop'] - r['skippable']} |")
+          f"{r['loop']} | {r['loop'] - r['skippable']} | {mma} |")
   if not a.keep_dir:
     shutil.rmtree(work_dir, ignore_errors=True)
 

@@ -35,3 +35,9 @@ def test_main_loop_and_its_skippable_block():
 def test_no_loop():
   assert triton_sass.main_loop("        /*0000*/                   EXIT ;\n") == {
       "loop": 0, "skippable": 0}
+
+
+def test_settings_parse_to_config_values():
+  assert triton_sass.parse_settings("dkv_block_k=64,dkv_keys_as_rows=true,name=x") == {
+      "dkv_block_k": 64, "dkv_keys_as_rows": True, "name": "x"}
+  assert triton_sass.parse_settings("") == {}
