@@ -229,7 +229,6 @@ def _fwd_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, k
   c = scale * LOG2_E
   q_parts = [r[...] for r in q_refs]
   seg_q, last_q = qseg_ref[...], qlast_ref[...]
-
   full_lo, full_hi = full_lo_ref[()], full_hi_ref[()]
 
   def step(j, carry):
@@ -267,7 +266,6 @@ def _row_max_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_re
   bq = qseg_ref.shape[0]
   q_parts = [r[...] for r in q_refs]
   seg_q, last_q = qseg_ref[...], qlast_ref[...]
-
   full_lo, full_hi = full_lo_ref[()], full_hi_ref[()]
 
   def step(j, m_q):
@@ -305,7 +303,6 @@ def _dkv_kernel(lo_ref, full_lo_ref, full_hi_ref, hi_ref, qseg_ref, qlast_ref, k
   v_parts = [r[...] for r in v_refs]
   seg_k = kseg_ref[...]
   full_lo, full_hi = full_lo_ref[()], full_hi_ref[()]
-
   keys_k1 = start_k + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
 
   def step(i, carry):

@@ -15,7 +15,7 @@ A kept tile is *full* when every pair in it is allowed: its rows and keys all ca
 its last key is ≤ the smallest q_last of its rows. A kernel needs no mask there (no per-pair id
 and index comparison, no select); with packed documents only the tiles on a document's edges and
 on the diagonal are not full. The schedules below give each block its first run of full tiles
-inside its kept range, so a kernel loops masked, unmasked, masked.
+inside its kept range; a kernel applies the mask only outside that run.
 """
 
 from __future__ import annotations
