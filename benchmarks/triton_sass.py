@@ -1,10 +1,13 @@
 """An op's Pallas-Triton kernels compiled to machine code on a machine without a GPU: registers,
-spills, shared memory, ptxas's performance notes and the instructions of each kernel's main loop.
+spills, shared memory, programs per SM, ptxas's performance notes, SASS instruction classes and
+the instructions of each kernel's main loop.
 
     pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"
     pip install nvidia-cuda-nvdisasm              # the SASS disassembler (no GPU needed)
     python benchmarks/triton_sass.py --op=attention [--shape=4x4096x16x1] [--keep_dir=D] \
         [--settings=dkv_block_k=64,dkv_block_q=32,dkv_warps=8,dkv_keys_as_rows=true]
+    python benchmarks/triton_sass.py --op=kda [--shape=4x4096x16] [--dtype=fp32] \
+        [--settings=intra_warps=8]
 
 How: the op's forward and backward are traced and lowered for the GPU
 (`pallas_kernels.platform.targeting("gpu")`: real kernels, not interpret mode); each Triton
@@ -40,6 +43,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import gpu_target  # noqa: E402
 
 TRITON_TARGET = "xla.gpu.triton"
+# SASS instruction classes counted per kernel: tensor-core MMAs (wgmma HGMMA, mma.sync HMMA),
+# barriers, shared stores / loads, MUFU (ex2 and the other special functions), local loads /
+# stores (= spills), global loads / stores.
+SASS_CLASSES = dict(mma=r"\bH?GMMA\.|\bHMMA\.", bar=r"\bBAR\.", sts=r"\bSTS\b", lds=r"\bLDS\b",
+                    mufu=r"\bMUFU\.", ldl=r"\bLDL\b", stl=r"\bSTL\b", ldg=r"\bLDG\b",
+                    stg=r"\bSTG\b")
 _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", re.M)
 _LABEL = re.compile(r"^(\.L_x_\d+):", re.M)
 
@@ -58,9 +67,9 @@ def cuda_tool(name: str) -> str:
                    "jax-cuda12-plugin[with-cuda] brings ptxas) or put it on PATH")
 
 
-def attention_program(shape: str):
-  """(function, argument shapes): the MLA attention's forward and backward (bf16, Dk 192,
-  Dv 128, causal) at B x T x H x documents. `--settings` are pallas_gpu.Config fields."""
+def attention_program(shape: str, dtype: str = "bf16"):
+  """(function, argument shapes): the MLA attention's forward and backward (Dk 192, Dv 128,
+  causal) at B x T x H x documents. `--settings` are pallas_gpu.Config fields."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -73,9 +82,9 @@ def attention_program(shape: str):
         lambda q, k, v: attention(q, k, v, seg, scale=192 ** -0.5, backend="pallas_gpu"), q, k, v)
     return (out, ml) + vjp((do, jnp.zeros_like(ml)))
 
-  bf16 = jnp.bfloat16
-  return fwd_bwd, [((b, t, h, 192), bf16), ((b, t, h, 192), bf16), ((b, t, h, 128), bf16),
-                   ((b, t, h, 128), bf16)]
+  x = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
+  return fwd_bwd, [((b, t, h, 192), x), ((b, t, h, 192), x), ((b, t, h, 128), x),
+                   ((b, t, h, 128), x)]
 
 
 def attention_settings(settings: dict):
@@ -83,8 +92,32 @@ def attention_settings(settings: dict):
   return pallas_gpu.configured(**settings)
 
 
+def kda_program(shape: str, dtype: str = "bf16"):
+  """(function, argument shapes): KDA's forward and backward (q, k, v, beta in `dtype`, g fp32,
+  K = V = 128, one sequence per row) at B x T x H, the loss Σ o as in benchmarks/kda_kernel.py."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.kda.op import kda
+  b, t, h = (int(x) for x in shape.split("x"))
+
+  def fwd_bwd(q, k, v, g, beta):
+    def loss(q, k, v, g, beta):
+      return jnp.sum(kda(q, k, v, g, beta, backend="pallas_gpu")[0].astype(jnp.float32))
+    return jax.value_and_grad(loss, argnums=range(5))(q, k, v, g, beta)
+
+  x, f32 = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype], jnp.float32
+  return fwd_bwd, [((b, t, h, 128), x), ((b, t, h, 128), x), ((b, t, h, 128), x),
+                   ((b, t, h, 128), f32), ((b, t, h), x)]
+
+
+def kda_settings(settings: dict):
+  from pallas_kernels.kda import pallas_gpu
+  return pallas_gpu.configured(**settings)
+
+
 # op: (program builder, default shape, context manager applying the kernel settings)
-OPS = {"attention": (attention_program, "4x4096x16x1", attention_settings)}
+OPS = {"attention": (attention_program, "4x4096x16x1", attention_settings),
+       "kda": (kda_program, "4x4096x16", kda_settings)}
 
 
 def parse_settings(text: str) -> dict:
@@ -121,9 +154,22 @@ def triton_calls(module_text_op):
   return calls
 
 
+def programs_per_sm(registers: int, smem_bytes: int, warps: int) -> int:
+  """Programs (CTAs) one sm_90 SM holds at once: the least of 32 CTAs, 64 warps, 64 K registers
+  (allocated per warp in units of 256) and 228 KB of shared memory (1 KB reserved per CTA).
+  The resident warps are what hides a latency-bound kernel's loads."""
+  regs_per_warp = -(-registers * 32 // 256) * 256
+  return min(32, 64 // warps, 65536 // (regs_per_warp * warps), 233472 // (smem_bytes + 1024))
+
+
+def class_counts(instructions) -> dict:
+  return {name: sum(bool(re.search(p, i)) for i in instructions)
+          for name, p in SASS_CLASSES.items()}
+
+
 def main_loop(sass: str) -> dict:
-  """Instructions of the longest backward-branch span, and the largest block a forward branch
-  inside it jumps over."""
+  """Instructions of the longest backward-branch span (and their classes), and the largest block
+  a forward branch inside it jumps over."""
   lines = sass.splitlines()
   labels = {m.group(1): i for i, line in enumerate(lines) for m in [_LABEL.match(line)] if m}
   counts = [0]
@@ -139,14 +185,16 @@ def main_loop(sass: str) -> dict:
   for i, m in branches:
     if m and m.group(1) in labels and labels[m.group(1)] < i:
       span = (labels[m.group(1)], i)
-      if best is None or between(*span) > between(*best):
-        best = span
+      if between(*span) > 1 and (best is None or between(*span) > between(*best)):
+        best = span                  # (a branch to itself is the end-of-kernel trap, no loop)
   if best is None:
-    return {"loop": 0, "skippable": 0}
+    return {"loop": 0, "skippable": 0, "loop_classes": class_counts([])}
   for i, m in branches:
     if m and m.group(1) in labels and best[0] < i < labels[m.group(1)] <= best[1]:
       skip = max(skip, between(i + 1, labels[m.group(1)] - 1))
-  return {"loop": between(*best), "skippable": skip}
+  body = [m.group(1) for line in lines[best[0]:best[1] + 1] for m in [_INSTRUCTION.match(line)]
+          if m]
+  return {"loop": between(*best), "skippable": skip, "loop_classes": class_counts(body)}
 
 
 def analyse(name, ir_bytes, warps, stages, arch, work_dir, ptxas, nvdisasm):
@@ -165,10 +213,14 @@ def analyse(name, ir_bytes, warps, stages, arch, work_dir, ptxas, nvdisasm):
   spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", notes)
   perf = sorted({m.group(1) for m in re.finditer(r"Potential Performance Loss: (.*?) in the "
                                                   r"function", notes)})
+  registers = int(regs.group(1)) if regs else None
+  instructions = _INSTRUCTION.findall(sass)
   return dict(kernel=name, warps=warps, stages=stages, smem_bytes=result.smem_bytes,
-              registers=int(regs.group(1)) if regs else None,
-              spill_bytes=max((int(s) for s in spills), default=0),
-              instructions=len(_INSTRUCTION.findall(sass)), **main_loop(sass),
+              registers=registers, spill_bytes=max((int(s) for s in spills), default=0),
+              programs_per_sm=(programs_per_sm(registers, result.smem_bytes, warps)
+                               if registers else None),
+              instructions=len(instructions), classes=class_counts(instructions),
+              **main_loop(sass),
               tensor_core_instructions=dict(sorted(collections.Counter(
                   re.findall(r"\b(H?GMMA\.\S+|HMMA\.\S+)", sass)).items())),
               ptxas_performance_notes=perf)
@@ -177,7 +229,10 @@ def analyse(name, ir_bytes, warps, stages, arch, work_dir, ptxas, nvdisasm):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--op", default="attention", choices=sorted(OPS))
-  ap.add_argument("--shape", default=None, help="the op's shape (attention: B x T x H x docs)")
+  ap.add_argument("--shape", default=None,
+                  help="the op's shape (attention: B x T x H x documents; kda: B x T x H)")
+  ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                  help="the op's input dtype (the kernels' dot operands)")
   ap.add_argument("--arch", default="9.0a", help="compute capability (9.0a: H100 / H200)")
   ap.add_argument("--keep_dir", default=None, help="keep each kernel's PTX, cubin and SASS here")
   ap.add_argument("--settings", default="", help="kernel settings, name=value,... (the op's "
@@ -194,7 +249,7 @@ def main():
   device = gpu_target.devices(gpu_target.load("h200"))[0]   # registers the CUDA Triton handler
   build, default_shape, settings_context = OPS[a.op]
   settings = parse_settings(a.settings)
-  fn, shapes = build(a.shape or default_shape)
+  fn, shapes = build(a.shape or default_shape, a.dtype)
   args = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(device)) for s, d in shapes]
   with platform.targeting("gpu"), settings_context(settings):
     module = jax.jit(fn).trace(*args).lower().compiler_ir()
@@ -203,15 +258,16 @@ def main():
   rows = [analyse(*call, a.arch, work_dir, ptxas, nvdisasm)
           for call in triton_calls(module.operation)]
   for row in rows:
-    print(json.dumps(dict(op=a.op, shape=a.shape or default_shape, arch=a.arch,
+    print(json.dumps(dict(op=a.op, shape=a.shape or default_shape, dtype=a.dtype, arch=a.arch,
                           settings=settings, **row)))
-  print("\n| kernel | warps, stages | registers | spill B | smem KiB | instructions | loop "
-        "| loop without the skippable block | tensor-core instructions |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("\n| kernel | warps, stages | registers | spill B | smem KiB | programs per SM "
+        "| instructions | loop | loop without the skippable block | tensor-core instructions |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     mma = ", ".join(f"{n} {k}" for k, n in r["tensor_core_instructions"].items())
     print(f"| {r['kernel']} | {r['warps']}, {r['stages']} | {r['registers']} | "
-          f"{r['spill_bytes']} | {r['smem_bytes'] / 1024:.0f} | {r['instructions']} | "
+          f"{r['spill_bytes']} | {r['smem_bytes'] / 1024:.0f} | {r['programs_per_sm']} | "
+          f"{r['instructions']} | "
           f"{r['loop']} | {r['loop'] - r['skippable']} | {mma} |")
   if not a.keep_dir:
     shutil.rmtree(work_dir, ignore_errors=True)

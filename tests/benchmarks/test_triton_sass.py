@@ -29,15 +29,27 @@ SASS = """
 
 
 def test_main_loop_and_its_skippable_block():
-  assert triton_sass.main_loop(SASS) == {"loop": 7, "skippable": 3}
+  loop = triton_sass.main_loop(SASS)
+  assert (loop["loop"], loop["skippable"]) == (7, 3)
 
 
 def test_no_loop():
-  assert triton_sass.main_loop("        /*0000*/                   EXIT ;\n") == {
-      "loop": 0, "skippable": 0}
+  """No backward branch, or only the end-of-kernel trap (a branch to itself): no loop."""
+  for sass in ("        /*0000*/                   EXIT ;\n",
+               ".L_x_9:\n        /*0000*/                   BRA `(.L_x_9);\n"):
+    loop = triton_sass.main_loop(sass)
+    assert (loop["loop"], loop["skippable"]) == (0, 0)
 
 
 def test_settings_parse_to_config_values():
   assert triton_sass.parse_settings("dkv_block_k=64,dkv_keys_as_rows=true,name=x") == {
       "dkv_block_k": 64, "dkv_keys_as_rows": True, "name": "x"}
   assert triton_sass.parse_settings("") == {}
+
+
+def test_loop_classes_and_programs_per_sm():
+  loop = triton_sass.main_loop(SASS)["loop_classes"]
+  assert loop["mma"] == 1 and loop["mufu"] == 1 and loop["stl"] == 0
+  # 255 registers × 4 warps → 2 programs by registers; 40 KiB of shared memory would allow 5.
+  assert triton_sass.programs_per_sm(255, 40 * 1024, 4) == 2
+  assert triton_sass.programs_per_sm(128, 160 * 1024, 8) == 1
