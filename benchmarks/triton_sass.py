@@ -18,10 +18,10 @@ that jumps over a block (the attention kernels' mask on the tiles that need it) 
 that block's size, so `loop` is an iteration that runs the block and `loop − skippable` one that
 skips it.
 
-These are static counts, not times: they show what a change does to the code each iteration
-issues and to the register budget (a kernel that spills, or whose wgmma pipeline ptxas
-serializes for lack of registers, can lose more than the instructions it saves). Time on a GPU
-with benchmarks/attention.py.
+These are static counts, not times: they show what a change does to the instructions of each
+iteration and to the registers a kernel needs (a kernel that spills, or whose wgmma pipeline
+ptxas serializes for lack of registers, can lose more than the instructions it saves). Time on a
+GPU with benchmarks/attention.py or benchmarks/kda_kernel.py.
 """
 
 from __future__ import annotations
