@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import importlib
 import importlib.util
 import json
 import os
@@ -87,11 +88,6 @@ def attention_program(shape: str, dtype: str = "bf16"):
                    ((b, t, h, 128), x)]
 
 
-def attention_settings(settings: dict):
-  from pallas_kernels.attention import pallas_gpu
-  return pallas_gpu.configured(**settings)
-
-
 def kda_program(shape: str, dtype: str = "bf16"):
   """(function, argument shapes): KDA's forward and backward (q, k, v, beta in `dtype`, g fp32,
   K = V = 128, one sequence per row) at B x T x H, the loss Σ o as in benchmarks/kda_kernel.py."""
@@ -110,14 +106,9 @@ def kda_program(shape: str, dtype: str = "bf16"):
                    ((b, t, h, 128), f32), ((b, t, h), x)]
 
 
-def kda_settings(settings: dict):
-  from pallas_kernels.kda import pallas_gpu
-  return pallas_gpu.configured(**settings)
-
-
-# op: (program builder, default shape, context manager applying the kernel settings)
-OPS = {"attention": (attention_program, "4x4096x16x1", attention_settings),
-       "kda": (kda_program, "4x4096x16", kda_settings)}
+# op: (program builder, default shape, the module whose `configured(**settings)` applies them)
+OPS = {"attention": (attention_program, "4x4096x16x1", "pallas_kernels.attention.pallas_gpu"),
+       "kda": (kda_program, "4x4096x16", "pallas_kernels.kda.pallas_gpu")}
 
 
 def parse_settings(text: str) -> dict:
@@ -203,7 +194,8 @@ def analyse(name, ir_bytes, warps, stages, arch, work_dir, ptxas, nvdisasm):
   base = os.path.join(work_dir, name)
   with open(base + ".ptx", "w") as f:
     f.write(result.asm)
-  notes = subprocess.run([ptxas, "-arch=sm_" + arch.replace(".", ""), "-v", base + ".ptx", "-o", base + ".cubin"],
+  sm = "sm_" + arch.replace(".", "")
+  notes = subprocess.run([ptxas, f"-arch={sm}", "-v", base + ".ptx", "-o", base + ".cubin"],
                          capture_output=True, text=True, check=True).stderr
   sass = subprocess.run([nvdisasm, "-c", base + ".cubin"], capture_output=True, text=True,
                         check=True).stdout
@@ -247,11 +239,12 @@ def main():
   from jax.sharding import SingleDeviceSharding
   from pallas_kernels import platform
   device = gpu_target.devices(gpu_target.load("h200"))[0]   # registers the CUDA Triton handler
-  build, default_shape, settings_context = OPS[a.op]
+  build, default_shape, settings_module = OPS[a.op]
   settings = parse_settings(a.settings)
   fn, shapes = build(a.shape or default_shape, a.dtype)
   args = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(device)) for s, d in shapes]
-  with platform.targeting("gpu"), settings_context(settings):
+  configured = importlib.import_module(settings_module).configured
+  with platform.targeting("gpu"), configured(**settings):
     module = jax.jit(fn).trace(*args).lower().compiler_ir()
   work_dir = a.keep_dir or tempfile.mkdtemp()
   os.makedirs(work_dir, exist_ok=True)

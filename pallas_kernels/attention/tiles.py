@@ -31,26 +31,22 @@ def block_min_max(seg_bt: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
   return jnp.min(seg_bnc, axis=2), jnp.max(seg_bnc, axis=2)
 
 
-def tile_mask(q_seg, kv_seg, q_last, block_q: int, block_k: int) -> jax.Array:
-  """keep_bij [B, Tq / block_q, Tk / block_k] bool (both lengths multiples of their block)."""
+def tile_kinds(q_seg, kv_seg, q_last, block_q: int, block_k: int):
+  """(keep_bij, full_bij) [B, Tq / block_q, Tk / block_k] bool (both lengths multiples of their
+  block): the tiles kept, and those whose every pair is allowed, from one set of block
+  statistics."""
   qmin_bi, qmax_bi = block_min_max(q_seg, block_q)
   kmin_bj, kmax_bj = block_min_max(kv_seg, block_k)
-  last_i = jnp.max(q_last.reshape(-1, block_q), axis=1)
+  last_rows_i = q_last.reshape(-1, block_q)
   first_key_j = jnp.arange(kv_seg.shape[1] // block_k, dtype=jnp.int32) * block_k
   meets_bij = ((qmin_bi[:, :, None] <= kmax_bj[:, None, :])
                & (kmin_bj[:, None, :] <= qmax_bi[:, :, None]))
-  return meets_bij & (first_key_j[None, None, :] <= last_i[None, :, None])
-
-
-def tile_full(q_seg, kv_seg, q_last, block_q: int, block_k: int) -> jax.Array:
-  """full_bij [B, Tq / block_q, Tk / block_k] bool: every pair of the tile is allowed."""
-  qmin_bi, qmax_bi = block_min_max(q_seg, block_q)
-  kmin_bj, kmax_bj = block_min_max(kv_seg, block_k)
-  first_last_i = jnp.min(q_last.reshape(-1, block_q), axis=1)
-  last_key_j = (jnp.arange(kv_seg.shape[1] // block_k, dtype=jnp.int32) + 1) * block_k - 1
+  keep = meets_bij & (first_key_j[None, None, :] <= jnp.max(last_rows_i, axis=1)[None, :, None])
   one_id_bij = ((qmin_bi == qmax_bi)[:, :, None] & (kmin_bj == kmax_bj)[:, None, :]
                 & (qmin_bi[:, :, None] == kmin_bj[:, None, :]))
-  return one_id_bij & (last_key_j[None, None, :] <= first_last_i[None, :, None])
+  last_key_j = first_key_j + block_k - 1
+  full = one_id_bij & (last_key_j[None, None, :] <= jnp.min(last_rows_i, axis=1)[None, :, None])
+  return keep, full
 
 
 def _first_last(keep_bxn: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -82,22 +78,19 @@ def _schedule(keep_bxn, full_bxn):
 def key_block_schedule(q_seg, kv_seg, q_last, block_q: int, block_k: int):
   """(lo, full_lo, full_hi, hi) [B, Tq / block_q] int32, lo ≤ full_lo ≤ full_hi ≤ hi: query
   block i loops over key blocks lo ≤ j < hi, of which full_lo ≤ j < full_hi are full."""
-  return _schedule(tile_mask(q_seg, kv_seg, q_last, block_q, block_k),
-                   tile_full(q_seg, kv_seg, q_last, block_q, block_k))
+  return _schedule(*tile_kinds(q_seg, kv_seg, q_last, block_q, block_k))
 
 
 def query_block_schedule(q_seg, kv_seg, q_last, block_q: int, block_k: int):
   """(lo, full_lo, full_hi, hi) [B, Tk / block_k] int32: key block j loops over query blocks
   lo ≤ i < hi, of which full_lo ≤ i < full_hi are full."""
-  def by_key(x_bij):
-    return jnp.swapaxes(x_bij, 1, 2)
-  return _schedule(by_key(tile_mask(q_seg, kv_seg, q_last, block_q, block_k)),
-                   by_key(tile_full(q_seg, kv_seg, q_last, block_q, block_k)))
+  keep_bij, full_bij = tile_kinds(q_seg, kv_seg, q_last, block_q, block_k)
+  return _schedule(jnp.swapaxes(keep_bij, 1, 2), jnp.swapaxes(full_bij, 1, 2))
 
 
 def key_block_span(q_seg, kv_seg, q_last, block_k: int):
   """(lo, hi) int32 scalars: the key blocks any query of any row can need (all queries as one
   block; used by the pure-JAX path, which processes every query at once)."""
   tq = q_seg.shape[1]
-  keep_j = jnp.any(tile_mask(q_seg, kv_seg, q_last, tq, block_k), axis=(0, 1))
+  keep_j = jnp.any(tile_kinds(q_seg, kv_seg, q_last, tq, block_k)[0], axis=(0, 1))
   return _first_last(keep_j)
