@@ -110,12 +110,13 @@ def test_scanned_and_unrolled_decoders_agree():
   a = nnx.jit(lambda m, x: m(x, seg))(src, tokens)
   b = nnx.jit(lambda m, x: m(x, seg))(model_unrolled, tokens)
   np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
-  # The gradients of the parameters both share (embedding, final norm, head), through every layer.
+  # The loss and the gradients of the parameters both share (embedding, final norm, head),
+  # through every layer.
   @nnx.jit
-  def shared_grads(model):
-    grads = nnx.grad(lambda m: jnp.mean(jnp.square(m(tokens, seg))))(model)
-    return {name: grads[name] for name in ("embed", "final_norm", "lm_head")}
-  _assert_same_loss_and_grads((0.0, shared_grads(src)), (0.0, shared_grads(model_unrolled)))
+  def loss_and_shared_grads(model):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(jnp.square(m(tokens, seg))))(model)
+    return loss, {name: grads[name] for name in ("embed", "final_norm", "lm_head")}
+  _assert_same_loss_and_grads(loss_and_shared_grads(src), loss_and_shared_grads(model_unrolled))
 
 
 def _three_layer_loss_and_grads(segment_lengths, **model_overrides):
