@@ -206,7 +206,9 @@ def cudnn_check():
 
 SWEEP_FWD = [dict(block_q=128, block_k=64, fwd_warps=8, fwd_stages=3),
              dict(block_q=128, block_k=128, fwd_warps=8, fwd_stages=2),
-             dict(block_q=64, block_k=64, fwd_warps=4, fwd_stages=3)]
+             dict(block_q=64, block_k=64, fwd_warps=4, fwd_stages=3),
+             dict(block_q=128, block_k=128, fwd_warps=8, fwd_stages=3),
+             dict(block_q=128, block_k=64, fwd_warps=8, fwd_stages=2)]
 SWEEP_BWD = [dict(dkv_block_q=32, dkv_block_k=64, dkv_warps=4, dkv_stages=3,
                   dq_block_q=64, dq_block_k=32, dq_warps=4, dq_stages=3),
              dict(dkv_block_q=32, dkv_block_k=64, dkv_warps=4, dkv_stages=2,
@@ -219,14 +221,16 @@ SWEEP_BWD = [dict(dkv_block_q=32, dkv_block_k=64, dkv_warps=4, dkv_stages=3,
                   dq_block_q=64, dq_block_k=64, dq_warps=8, dq_stages=2)]
 
 
-# dK/dV blocks alone (the rest at the defaults): keys per program × query rows per loop step.
-SWEEP_DKV = [dict(dkv_block_q=32, dkv_block_k=64), dict(dkv_block_q=64, dkv_block_k=32),
-             dict(dkv_block_q=128, dkv_block_k=32), dict(dkv_block_q=64, dkv_block_k=32,
-                                                          dkv_stages=2),
-             dict(dkv_block_q=64, dkv_block_k=16)]
-# The keys-as-rows form (Config.dkv_keys_as_rows): wgmma needs 64 rows per warpgroup.
-SWEEP_DKV += [dict(dkv_block_q=q, dkv_block_k=k, dkv_warps=w, dkv_keys_as_rows=True)
-              for q, k, w in ((32, 64, 8), (32, 64, 4), (64, 64, 8), (32, 128, 8))]
+# dK/dV blocks alone (the rest at the defaults): keys per program × query rows per loop step,
+# in both forms (Config.dkv_keys_as_rows). wgmma needs 64 rows per warpgroup in the keys-as-rows
+# form, so its keys per program go with the warps.
+SWEEP_DKV = [dict(dkv_block_q=q, dkv_block_k=k, dkv_keys_as_rows=False, **extra)
+             for q, k, extra in ((32, 64, {}), (64, 32, {}), (128, 32, {}),
+                                 (64, 32, dict(dkv_stages=2)), (64, 16, {}))]
+SWEEP_DKV += [dict(dkv_block_q=q, dkv_block_k=k, dkv_warps=w, dkv_stages=s, dkv_keys_as_rows=True)
+              for q, k, w, s in ((32, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 4), (16, 64, 4, 3),
+                                 (64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 8, 3), (16, 128, 8, 3),
+                                 (64, 128, 8, 2), (32, 64, 8, 3))]
 
 
 def sweep(shapes):
@@ -235,7 +239,7 @@ def sweep(shapes):
 
 
 def sweep_shape(b, t, h, docs):
-  """The settings sweeps at one shape; the full-settings sweeps only at B1 H32."""
+  """The settings sweeps at one shape; the full backward-settings sweep only at B1 H32."""
   q, k, v, do = inputs(t, b=b, h=h)
   seg = jnp.asarray(doc_segments(t, docs).repeat(b, 0))
   for cfg in SWEEP_DKV:
@@ -248,15 +252,15 @@ def sweep_shape(b, t, h, docs):
            fwdbwd_ms=round(ms_b, 4))
     except Exception as e:  # noqa: BLE001
       emit(part="sweep", what="dkv", b=b, t=t, h=h, docs=docs, config=cfg, error=repr(e)[:300])
-  if (b, h) != (1, H):
-    return
   for cfg in SWEEP_FWD:
     try:
       with pallas_gpu.configured(**cfg):
         ms = 1e3 * bench(jax.jit(make_ours("pallas_gpu")[0]), q, k, v, seg)
-      emit(part="sweep", what="fwd", t=t, docs=docs, config=cfg, ms=round(ms, 4))
+      emit(part="sweep", what="fwd", b=b, t=t, h=h, docs=docs, config=cfg, ms=round(ms, 4))
     except Exception as e:  # noqa: BLE001
-      emit(part="sweep", what="fwd", t=t, docs=docs, config=cfg, error=repr(e)[:300])
+      emit(part="sweep", what="fwd", b=b, t=t, h=h, docs=docs, config=cfg, error=repr(e)[:300])
+  if (b, h) != (1, H):
+    return
   for cfg in SWEEP_BWD:
     try:
       with pallas_gpu.configured(**cfg):

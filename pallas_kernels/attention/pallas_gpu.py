@@ -58,25 +58,28 @@ MAX_HEAD_DIM = 256
 class Config:
   """Block sizes (powers of two ≥ 16) and Triton launch settings of the three kernels.
 
-  Defaults: from the settings sweeps on an H200 at Dk192 Dv128 bf16 (benchmarks/attention.md):
-  B1 H32 T 8192 with 4 documents and 1, and B4 H16 T 4096 (the k3_h200 step's shape). The dK/dV
-  kernel's 32 keys × 64 queries per loop step took 9–11 % off the forward + backward at all four
-  against 64 × 32; no other measured alternative was more than 1 % faster.
+  Defaults: from the settings sweeps at Dk192 Dv128 bf16 (benchmarks/attention.md): B1 H32
+  T 8192 with 4 documents and 1, and B4 H16 T 4096 (the k3_h200 step's shape). On an H100, with
+  the mask applied only to the tiles that need it: the forward's 128 × 128 tiles in 2 stages
+  took 7–9 % off the forward against 128 × 64 in 3 (1 % on an H200 before that masking change),
+  and the dK/dV kernel in keys-as-rows form with 64 keys × 32 queries took 15–17 % off the
+  forward + backward against the queries-as-rows form with 32 keys × 64 queries, at all three
+  shapes. Each was the fastest setting measured.
   """
   block_q: int = 128        # forward: query rows per program
-  block_k: int = 64         # forward: keys per loop step
+  block_k: int = 128        # forward: keys per loop step
   fwd_warps: int = 8
-  fwd_stages: int = 3
-  dkv_block_q: int = 64     # dK/dV: query rows per loop step
-  dkv_block_k: int = 32     # dK/dV: keys per program
+  fwd_stages: int = 2       # 3 stages of 128 × 128 tiles exceed the SM's shared memory
+  dkv_block_q: int = 32     # dK/dV: query rows per loop step
+  dkv_block_k: int = 64     # dK/dV: keys per program
   dkv_warps: int = 4
   dkv_stages: int = 3
   # dK/dV in keys-as-rows form: Sᵀ = K Qᵀ computed directly, so Pᵀ·dO and dSᵀ·Q take their
   # register operand untransposed. wgmma (Hopper's asynchronous tensor-core dot) wants that and
-  # 64 rows per warpgroup; the queries-as-rows form (the default) runs those two dots as mma.sync.
-  # Compiled for sm_90a at 64 keys × 32 queries and 8 warps it is wgmma only (benchmarks/
-  # triton_sass.py); untimed, so off by default.
-  dkv_keys_as_rows: bool = False
+  # 64 rows per warpgroup, hence 64 keys per program with 4 warps (one warpgroup). The
+  # queries-as-rows form (False) runs those two dots as mma.sync; it is kept as the reference
+  # form and for tiles of fewer than 64 keys.
+  dkv_keys_as_rows: bool = True
   dq_block_q: int = 64      # dQ: query rows per program
   dq_block_k: int = 32      # dQ: keys per loop step
   dq_warps: int = 4
