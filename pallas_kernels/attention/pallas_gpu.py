@@ -7,7 +7,8 @@ Three kernels, in the native [B, T, H, ·] layout (BlockSpecs squeeze B and H, s
   causal diagonal); online softmax in fp32; writes out, the logsumexp and the row max of the
   masked logits — the exact max logit of the row, so max_logit needs no pass of its own.
 * dK/dV, grid (key blocks, B, H): loops over the query blocks of tiles.query_block_schedule,
-  recomputing P = exp(S − lse); dV += Pᵀ dO, dS = P ⊙ (dO Vᵀ − Δ), dK += dSᵀ Q.
+  recomputing P = exp(S − lse); dV += Pᵀ dO, dS = P ⊙ (dO Vᵀ − Δ), dK += dSᵀ Q. By default
+  its tiles are keys × queries (Sᵀ = K Qᵀ), so every dot takes its register operand as it is.
 * dQ, grid (query blocks, B, H): the forward's key blocks again; dQ += dS K.
 Δ = rowsum(dO ⊙ O) is one fused XLA elementwise-reduce. The masks use −inf (never a finite
 stand-in), so a row's running max is exactly the largest allowed logit, and rows with no allowed
