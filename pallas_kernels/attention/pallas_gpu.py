@@ -112,8 +112,8 @@ class Config:
 CONFIG = Config()
 # fp32 operands take twice the shared memory per tile: smaller tiles, no software pipelining.
 FP32_CONFIG = Config(block_q=64, block_k=32, fwd_warps=4, fwd_stages=1, dkv_block_q=32,
-                     dkv_block_k=32, dkv_warps=4, dkv_stages=1, dq_block_q=32, dq_block_k=32,
-                     dq_warps=4, dq_stages=1)
+                     dkv_block_k=32, dkv_warps=4, dkv_stages=1, dkv_keys_as_rows=False,
+                     dq_block_q=32, dq_block_k=32, dq_warps=4, dq_stages=1)
 
 
 def config_for(dtype) -> Config:
