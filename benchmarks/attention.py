@@ -16,8 +16,9 @@ max_logit in both). Timing: jit, two warm-up calls, then 5 batches of n back-to-
 Before that: a numerical check of the GPU backends against the xla backend (B2 T1000 H4,
 uneven documents; fp32 and bf16), of the cudnn backend against pallas_gpu at the benchmark
 shape (uneven documents, v native or padded, a repeated id that takes the fallback), and the
-settings sweeps: the dK/dV blocks at each `--sweep_shapes` (B x T x H x documents; default
-1x8192x32x4), the other kernel and the cudnn settings at T 8192, 4 documents.
+settings sweeps: the dK/dV blocks in both tile forms and the forward tiles at each
+`--sweep_shapes` (B x T x H x documents; default 1x8192x32x4), the backward's combined settings
+at B1 H32 shapes, and the cudnn settings at T 8192, 4 documents.
 
 Prints one JSON line per measurement and a table at the end:
   PYTHONPATH=$PWD python3 benchmarks/attention.py [--parts check,sweep,table] [--impls ...]
