@@ -78,8 +78,7 @@ class Config:
   # dK/dV in keys-as-rows form: Sᵀ = K Qᵀ computed directly, so Pᵀ·dO and dSᵀ·Q take their
   # register operand untransposed. wgmma (Hopper's asynchronous tensor-core dot) wants that and
   # 64 rows per warpgroup, hence 64 keys per program with 4 warps (one warpgroup). The
-  # queries-as-rows form (False) runs those two dots as mma.sync; it is kept as the reference
-  # form and for tiles of fewer than 64 keys.
+  # queries-as-rows form (False) runs those two dots as mma.sync; FP32_CONFIG keeps it.
   dkv_keys_as_rows: bool = True
   dq_block_q: int = 64      # dQ: query rows per program
   dq_block_k: int = 32      # dQ: keys per loop step
