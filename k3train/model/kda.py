@@ -103,15 +103,29 @@ class KimiDeltaAttention(nnx.Module):
   def _conv(self, x_bthk: jax.Array, w_whk: jax.Array, segment_ids_bt: jax.Array | None):
     return causal_conv(x_bthk, w_whk, segment_ids_bt, backend=self.conv_backend)
 
+  def _project_qkv(self, x_btd: jax.Array) -> jax.Array:
+    """The pre-convolution q, k, v projections as one [B, T, 3, H, K] array (the branch axis
+    third): one GEMM over the three kernels stacked as [d, 3, H, K], so the backward pass makes
+    x's gradient of all three in one fp32-accumulated GEMM instead of three rounded ones and
+    their sum. Each column is the same dot product as its own projection's."""
+    w_d3hk = jnp.stack([self.q_proj.kernel[...], self.k_proj.kernel[...],
+                        self.v_proj.kernel[...]], axis=1)
+    return layers.project(x_btd, w_d3hk, 1, self.q_proj.dtype)
+
+  def _conv_weights(self) -> jax.Array:
+    """The q, k, v conv taps stacked as [W, 3, H, K], matching `_project_qkv`'s branch axis."""
+    return jnp.stack([self.q_conv[...], self.k_conv[...], self.v_conv[...]], axis=1)
+
   @jax.named_scope("kda")
   def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
     act = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
-    def branch(proj, conv):
-      y = seq_parallel.causal_conv(proj(x_btd), conv[...], segment_ids_bt, self._conv)
-      return constrain(jax.nn.silu(remat.tag(y, remat.KDA_CONV)), *act)
-    q = l2_normalize(branch(self.q_proj, self.q_conv))
-    k = l2_normalize(branch(self.k_proj, self.k_conv))
-    v = branch(self.v_proj, self.v_conv)
+    # The three branches' convs as one depthwise conv over [B, T, 3, H, K] (one kernel launch
+    # each way; the taps never mix branches).
+    pre = constrain(self._project_qkv(x_btd), ax.BATCH, ax.SEQ, None, ax.HEADS, ax.HEAD_DIM)
+    y = seq_parallel.causal_conv(pre, self._conv_weights(), segment_ids_bt, self._conv)
+    y = jax.nn.silu(remat.tag(y, remat.KDA_CONV))
+    q, k, v = (constrain(y[:, :, i], *act) for i in range(3))
+    q, k = l2_normalize(q), l2_normalize(k)
     beta = jax.nn.sigmoid(self.b_proj(x_btd).astype(jnp.float32))                  # [B, T, H]
     z = self.f_b_proj(self.f_a_proj(x_btd)).astype(jnp.float32) + self.dt_bias[...]
     g = lower_bound_gate(z, self.A_log[...], self.lower_bound)                      # [B, T, H, K]
@@ -125,7 +139,8 @@ class KimiDeltaAttention(nnx.Module):
 
   def _branch_inputs(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pre-convolution q, k, v projections [B, T, H, K] (what the conv cache holds)."""
-    return self.q_proj(x_btd), self.k_proj(x_btd), self.v_proj(x_btd)
+    pre = self._project_qkv(x_btd)
+    return pre[:, :, 0], pre[:, :, 1], pre[:, :, 2]
 
   def _gates(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(β [B, T, H], g [B, T, H, K]) in fp32, as in `__call__`."""

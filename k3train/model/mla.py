@@ -59,11 +59,20 @@ class GatedMLA(nnx.Module):
     self.o_proj = layers.Linear((h, self.v_dim), (d_model,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), **kw)
     self.max_logit = MaxLogit(jnp.zeros((h,), jnp.float32))
 
+  def _down_projections(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x W^DQ [B, T, q_lora_rank], x W^DKV [B, T, kv_lora_rank + rope]) from one GEMM over the
+    two kernels side by side: x's gradient of both comes from one fp32-accumulated GEMM. Each
+    column is the same dot product as its own projection's."""
+    w_dr = jnp.concatenate([self.q_a_proj.kernel[...], self.kv_a_proj.kernel[...]], axis=1)
+    a = layers.project(x_btd, w_dr, 1, self.q_a_proj.dtype)
+    q_rank = self.q_a_proj.out_shape[0]
+    return a[..., :q_rank], a[..., q_rank:]
+
   def project_qkv(self, x_btd: jax.Array):
     """Returns q_c [B,T,H,nope], q_r [B,T,H,rope], k_c [B,T,H,nope], k_r [B,T,rope], v [B,T,H,v]."""
-    q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_btd)))
+    q_a, kv_a = self._down_projections(x_btd)
+    q = self.q_b_proj(self.q_a_norm(q_a))
     q_c, q_r = q[..., :self.nope], q[..., self.nope:]
-    kv_a = self.kv_a_proj(x_btd)
     c = self.kv_a_norm(kv_a[..., :self.kv_lora_rank])   # the 512-wide latent (cached at decode)
     k_r = kv_a[..., self.kv_lora_rank:]                   # shared by all heads, never rotated
     kv = self.kv_b_proj(c)
@@ -92,7 +101,7 @@ class GatedMLA(nnx.Module):
 
   def latent(self, x_btd: jax.Array) -> jax.Array:
     """[c ; k^R] [B, T, kv_lora_rank + rope]: what the decode cache holds per token."""
-    kv_a = self.kv_a_proj(x_btd)
+    kv_a = self._down_projections(x_btd)[1]
     c = self.kv_a_norm(kv_a[..., :self.kv_lora_rank])
     return jnp.concatenate([c, kv_a[..., self.kv_lora_rank:]], axis=-1)
 
@@ -111,7 +120,7 @@ class GatedMLA(nnx.Module):
     f32, hp = jnp.float32, jax.lax.Precision.HIGHEST
     row = self.latent(x_b1d).astype(latent_bsc.dtype)                      # [B, 1, C + R]
     latent_bsc = jax.lax.dynamic_update_slice_in_dim(latent_bsc, row, pos, axis=1)
-    q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_b1d)))[:, 0].astype(f32)   # [B, H, n + r]
+    q = self.q_b_proj(self.q_a_norm(self._down_projections(x_b1d)[0]))[:, 0].astype(f32)  # [B, H, n + r]
     q_c, q_r = q[..., :self.nope], q[..., self.nope:]
     w_kvb = self.kv_b_proj.kernel[...].astype(self.dtype).astype(f32)       # [C, H, n + v]
     w_uk, w_uv = w_kvb[..., :self.nope], w_kvb[..., self.nope:]

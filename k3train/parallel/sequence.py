@@ -48,6 +48,9 @@ def causal_conv(x_bthk: jax.Array, w_whk: jax.Array, segment_ids_bt: jax.Array |
                 conv_fn) -> jax.Array:
   """`conv_fn(x, w, segment_ids)` (the layer's depthwise causal conv) under the active layout.
 
+  x [B, T, …, H, K] and w [W, …, H, K]: heads second to last; leading channel dims (e.g. KDA's
+  three branches, [B, T, 3, H, K]) stay whole on every device.
+
   Under a layout the conv runs in a `shard_map` on each device's tokens and heads, so a kernel
   backend is never handed to the SPMD partitioner (which would gather x onto every device); the
   weight gradient's per-device sums are added by the map's transpose. With a `sequence` axis each
@@ -79,8 +82,9 @@ def causal_conv(x_bthk: jax.Array, w_whk: jax.Array, segment_ids_bt: jax.Array |
     y = conv_fn(jnp.concatenate([halo_x, x], axis=1), w, jnp.concatenate([halo_seg, seg], axis=1))
     return y[:, halo:]
 
-  x_spec = rules_lib.spec_from_axes(b_axes, t_axes, h_axes, ())
-  w_spec = rules_lib.spec_from_axes((), h_axes, ())
+  whole = ((),) * (x_bthk.ndim - 4)
+  x_spec = rules_lib.spec_from_axes(b_axes, t_axes, *whole, h_axes, ())
+  w_spec = rules_lib.spec_from_axes((), *whole, h_axes, ())
   seg_spec = rules_lib.spec_from_axes(b_axes, t_axes)
   return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, seg_spec), out_specs=x_spec,
                        check_vma=False)(x_bthk, w_whk, segment_ids_bt)
