@@ -256,9 +256,7 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
 
   microbatches == 1 is the plain value_and_grad of `forward_loss`. Otherwise the batch size must
   divide by it; gradients accumulate in fp32 inside a scan (one micro-batch's activations live at
-  a time): acc ← acc + ∇(share · L) per micro-batch, share = its loss tokens / its positions,
-  and the sum times positions / the step's loss tokens at the end, which is Σ weight · ∇L with
-  weight = its loss tokens / the step's. loss_chunk_tokens: see `head_loss`.
+  a time): acc ← acc + weight · g per micro-batch. loss_chunk_tokens: see `head_loss`.
 
   accumulate_in_stack (with a scanned stack of layers): the stack's share of that sum happens
   inside the stack's backward scan, one layer's slice at a time, into the accumulator itself
@@ -289,47 +287,32 @@ def loss_and_grads(graphdef, params, rest, batch: dict, microbatches: int = 1,
   micro = _micro_batches(batch, microbatches)
   placeholder_id = getattr(nnx.merge(graphdef, params, rest, copy=True), "placeholder_id", None)
   tokens_n = jnp.sum(loss_mask_of(micro, placeholder_id).astype(jnp.float32), axis=(1, 2))  # [N]
-  total_tokens = jnp.maximum(jnp.sum(tokens_n), 1.0)
-  weight_n = tokens_n / total_tokens
-  # Each micro-batch differentiates its mean loss times share_n = its loss tokens / its token
-  # positions (1 for a micro-batch without masked positions, so its backward runs on exactly the
-  # values of the plain mean loss), the accumulator sums those gradients unweighted, and one
-  # scale at the end makes Σ_n share_n ∇L_n · positions / total = Σ_n weight_n ∇L_n. A plain
-  # `acc + ∂W` lets XLA write a weight-gradient GEMM straight into its accumulator (cuBLAS with
-  # the accumulator as C and β = 1), where `acc + weight · ∂W` needs a separate pass.
-  positions = micro["tokens"].shape[1] * micro["tokens"].shape[2]
-  share_n = tokens_n / positions
-  grad_scale = positions / total_tokens
-  unit = jnp.ones((), jnp.float32)
+  weight_n = tokens_n / jnp.maximum(jnp.sum(tokens_n), 1.0)
 
   in_stack = accumulate_in_stack and "stack" in params
   by_rows = embedding_by_rows and EMBED_TABLE in _leaf_paths(params)
 
-  def loss_with_accumulators(graphdef, params, rest, batch, stack_acc, share, rows):
-    loss, aux = forward_loss(graphdef, params, rest, batch, loss_chunk_tokens,
-                             stack_grad_acc=(stack_acc, unit) if in_stack else None,
-                             embed_rows=rows)
-    return loss * share, (loss, aux)
+  def loss_with_accumulators(graphdef, params, rest, batch, stack_acc, weight, rows):
+    return forward_loss(graphdef, params, rest, batch, loss_chunk_tokens,
+                        stack_grad_acc=(stack_acc, weight) if in_stack else None, embed_rows=rows)
   acc_grad_fn = jax.value_and_grad(loss_with_accumulators, argnums=(1, 4, 6), has_aux=True)
 
   def body(acc, xs):
-    mb, weight, share = xs
+    mb, weight = xs
     mb = {k: constrain(v, *VISION_BATCH_KEYS[k]) if k in VISION_BATCH_KEYS else
           constrain(v, ax.BATCH, ax.SEQ) if v.ndim == 2 else v for k, v in mb.items()}
     grads_acc, loss_acc = acc
-    add = lambda a, g: a + g.astype(jnp.float32)
+    add = lambda a, g: a + weight * g.astype(jnp.float32)
     rows = embedding_rows(graphdef, run_params, rest, mb) if by_rows else None
     stack_acc = grads_acc["stack"] if in_stack else None
-    (_, (loss, (new_rest, _))), (grads, stack_acc, d_rows) = acc_grad_fn(
-        graphdef, run_params, rest, mb, stack_acc, share, rows)
-    table_acc = _scatter_rows(_leaf(grads_acc, EMBED_TABLE), mb, d_rows, unit) if by_rows else None
+    (loss, (new_rest, _)), (grads, stack_acc, d_rows) = acc_grad_fn(
+        graphdef, run_params, rest, mb, stack_acc, weight, rows)
+    table_acc = _scatter_rows(_leaf(grads_acc, EMBED_TABLE), mb, d_rows, weight) if by_rows else None
     grads_acc = _accumulate(add, grads_acc, grads, stack_acc, table_acc)
     return (grads_acc, loss_acc + weight * loss), new_rest
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  (grads, loss), rest_n = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
-                                       (micro, weight_n, share_n))
-  grads = jax.tree.map(lambda g: g * grad_scale, grads)
+  (grads, loss), rest_n = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), (micro, weight_n))
   return (loss, (_combine_rest(rest_n), jnp.sum(tokens_n))), like_params(grads)
 
 
