@@ -37,6 +37,19 @@ def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
   return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
+def normalize_qk_branches(a_bt3hk: jax.Array, eps: float = L2_EPS) -> jax.Array:
+  """[q; k; v] on axis 2 → [q/‖q‖; k/‖k‖; v]: `l2_normalize` of the q and k branches, v as it
+  is, in fp32 and rounded to the input's dtype.
+
+  One pass over the three branches: its backward reads their gradients where they lie and writes
+  the conv's input gradient once, where normalising q and k as separate slices makes XLA write
+  their fp32 gradients out before joining them for the conv."""
+  a32 = a_bt3hk.astype(jnp.float32)
+  inv = jax.lax.rsqrt(jnp.sum(a32 * a32, axis=-1, keepdims=True) + eps)
+  is_qk = (jnp.arange(a_bt3hk.shape[2]) < 2)[:, None, None]                # [3, 1, 1]
+  return (a32 * jnp.where(is_qk, inv, 1.0)).astype(a_bt3hk.dtype)
+
+
 def lower_bound_gate(z: jax.Array, a_log: jax.Array, lower_bound: float) -> jax.Array:
   """g = lb · σ(exp(A_log) · z) ∈ (lb, 0): K3's lower-bounded log-decay (docs/maths.md §1.2 step 5), fp32.
 
@@ -123,9 +136,8 @@ class KimiDeltaAttention(nnx.Module):
     # each way; the taps never mix branches).
     pre = constrain(self._project_qkv(x_btd), ax.BATCH, ax.SEQ, None, ax.HEADS, ax.HEAD_DIM)
     y = seq_parallel.causal_conv(pre, self._conv_weights(), segment_ids_bt, self._conv)
-    y = jax.nn.silu(remat.tag(y, remat.KDA_CONV))
-    q, k, v = (constrain(y[:, :, i], *act) for i in range(3))
-    q, k = l2_normalize(q), l2_normalize(k)
+    qkv = normalize_qk_branches(jax.nn.silu(remat.tag(y, remat.KDA_CONV)))
+    q, k, v = (constrain(qkv[:, :, i], *act) for i in range(3))
     beta = jax.nn.sigmoid(self.b_proj(x_btd).astype(jnp.float32))                  # [B, T, H]
     z = self.f_b_proj(self.f_a_proj(x_btd)).astype(jnp.float32) + self.dt_bias[...]
     g = lower_bound_gate(z, self.A_log[...], self.lower_bound)                      # [B, T, H, K]
