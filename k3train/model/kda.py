@@ -37,17 +37,17 @@ def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
   return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
-def normalize_qk_branches(a_bt3hk: jax.Array, eps: float = L2_EPS) -> jax.Array:
-  """[q; k; v] on axis 2 → [q/‖q‖; k/‖k‖; v]: `l2_normalize` of the q and k branches, v as it
-  is, in fp32 and rounded to the input's dtype.
+def normalize_qk_branches(a_3hk: jax.Array, eps: float = L2_EPS) -> jax.Array:
+  """[..., 3, H, K] = [q; k; v] → [q/‖q‖; k/‖k‖; v]: `l2_normalize` of the q and k branches, v
+  as it is, in fp32 and rounded to the input's dtype.
 
   One pass over the three branches: its backward reads their gradients where they lie and writes
   the conv's input gradient once, where normalising q and k as separate slices makes XLA write
   their fp32 gradients out before joining them for the conv."""
-  a32 = a_bt3hk.astype(jnp.float32)
+  a32 = a_3hk.astype(jnp.float32)
   inv = jax.lax.rsqrt(jnp.sum(a32 * a32, axis=-1, keepdims=True) + eps)
-  is_qk = (jnp.arange(a_bt3hk.shape[2]) < 2)[:, None, None]                # [3, 1, 1]
-  return (a32 * jnp.where(is_qk, inv, 1.0)).astype(a_bt3hk.dtype)
+  is_qk = (jnp.arange(a_3hk.shape[-3]) < 2)[:, None, None]                 # [3, 1, 1]
+  return (a32 * jnp.where(is_qk, inv, 1.0)).astype(a_3hk.dtype)
 
 
 def lower_bound_gate(z: jax.Array, a_log: jax.Array, lower_bound: float) -> jax.Array:
@@ -149,11 +149,6 @@ class KimiDeltaAttention(nnx.Module):
 
   # ------------------------------------------------------------------ generation (§1.5)
 
-  def _branch_inputs(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pre-convolution q, k, v projections [B, T, H, K] (what the conv cache holds)."""
-    pre = self._project_qkv(x_btd)
-    return pre[:, :, 0], pre[:, :, 1], pre[:, :, 2]
-
   def _gates(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(β [B, T, H], g [B, T, H, K]) in fp32, as in `__call__`."""
     beta = jax.nn.sigmoid(self.b_proj(x_btd).astype(jnp.float32))
@@ -171,16 +166,15 @@ class KimiDeltaAttention(nnx.Module):
     (zeros where an earlier document or the sequence start lies), the state is the recurrence's
     final state (reset at every document start, so it belongs to the last document).
     """
-    pre = self._branch_inputs(x_btd)
-    convs = (self.q_conv[...], self.k_conv[...], self.v_conv[...])
-    q, k, v = (jax.nn.silu(self._conv(p, w, segment_ids_bt)) for p, w in zip(pre, convs))
-    q, k = l2_normalize(q), l2_normalize(k)
+    pre = self._project_qkv(x_btd)                                            # [B, T, 3, H, K]
+    y = self._conv(pre, self._conv_weights(), segment_ids_bt)
+    qkv = normalize_qk_branches(jax.nn.silu(y))
     beta, g = self._gates(x_btd)
-    o, state = kda_op(q.astype(self.dtype), k.astype(self.dtype), v, g, beta,
+    o, state = kda_op(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], g, beta,
                       segment_ids=segment_ids_bt, chunk_size=self.chunk_size, backend=self.backend,
                       output_final_state=True)
     return self._output(o, x_btd), {"state": state, "conv": _conv_history(pre, segment_ids_bt,
-                                                                          convs[0].shape[0])}
+                                                                          self.q_conv.shape[0])}
 
   def decode_step(self, x_b1d: jax.Array, cache: dict, reset_b: jax.Array):
     """One token per row: x_b1d [B, 1, d] → (out [B, 1, d], new cache).
@@ -189,25 +183,19 @@ class KimiDeltaAttention(nnx.Module):
     """
     reset = reset_b.astype(bool)
     hist = jnp.where(reset[:, None, None, None, None], 0, cache["conv"])       # [B, W-1, 3, H, K]
-    pre = self._branch_inputs(x_b1d)
-    convs = (self.q_conv[...], self.k_conv[...], self.v_conv[...])
-    width = convs[0].shape[0]
-    ys = []
-    for i, (p, w) in enumerate(zip(pre, convs)):
-      x_t = p[:, 0]                                                          # [B, H, K]
-      # Same terms in the same order and precision as `causal_conv` (the current tap first).
-      w32 = w.astype(jnp.float32)
-      y = x_t.astype(jnp.float32) * w32[width - 1]
-      for shift in range(1, width):
-        y = y + hist[:, width - 1 - shift, i].astype(x_t.dtype).astype(jnp.float32) * w32[width - 1 - shift]
-      ys.append(jax.nn.silu(y.astype(x_t.dtype)))
-    q, k = l2_normalize(ys[0]), l2_normalize(ys[1])
+    x_t = self._project_qkv(x_b1d)[:, 0]                                   # [B, 3, H, K]
+    w32 = self._conv_weights().astype(jnp.float32)                          # [W, 3, H, K]
+    width = w32.shape[0]
+    # Same terms in the same order and precision as `causal_conv` (the current tap first).
+    y = x_t.astype(jnp.float32) * w32[width - 1]
+    for shift in range(1, width):
+      y = y + hist[:, width - 1 - shift].astype(x_t.dtype).astype(jnp.float32) * w32[width - 1 - shift]
+    qkv = normalize_qk_branches(jax.nn.silu(y.astype(x_t.dtype)))
     beta, g = self._gates(x_b1d)
     state = jnp.where(reset[:, None, None, None], 0.0, cache["state"])
-    o, state = kda_decode_step(q.astype(self.dtype), k.astype(self.dtype), ys[2], g[:, 0],
-                               beta[:, 0], state)
-    new_in = jnp.stack([p[:, 0] for p in pre], axis=1)[:, None]              # [B, 1, 3, H, K]
-    hist = jnp.concatenate([hist[:, 1:], new_in.astype(hist.dtype)], axis=1) if width > 1 else hist
+    o, state = kda_decode_step(qkv[:, 0], qkv[:, 1], qkv[:, 2], g[:, 0], beta[:, 0], state)
+    new_in = x_t[:, None].astype(hist.dtype)                                # [B, 1, 3, H, K]
+    hist = jnp.concatenate([hist[:, 1:], new_in], axis=1) if width > 1 else hist
     return self._output(o[:, None], x_b1d), {"state": state, "conv": hist}
 
   def empty_cache(self, batch: int, dtype) -> dict:
@@ -218,9 +206,9 @@ class KimiDeltaAttention(nnx.Module):
             "conv": jnp.zeros((batch, width - 1, 3, h, k), dtype)}
 
 
-def _conv_history(pre, segment_ids_bt: jax.Array | None, width: int) -> jax.Array:
-  """The last W−1 pre-conv inputs of q, k, v [B, W−1, 3, H, K], zero outside the last document."""
-  x = jnp.stack(pre, axis=2)                                                 # [B, T, 3, H, K]
+def _conv_history(x: jax.Array, segment_ids_bt: jax.Array | None, width: int) -> jax.Array:
+  """The last W−1 pre-conv inputs of q, k, v [B, W−1, 3, H, K] (from x [B, T, 3, H, K]), zero
+  outside the last document."""
   b, t = x.shape[:2]
   keep = width - 1
   if keep == 0:

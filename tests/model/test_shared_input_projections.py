@@ -90,7 +90,8 @@ def test_kda_branch_inputs_are_each_projection_alone():
   """The decode cache's pre-conv rows: column for column the three projections."""
   m = _kda_layer()
   x = jax.random.normal(jax.random.key(6), (2, 5, 16), jnp.float32)
-  for got, linear in zip(m._branch_inputs(x), (m.q_proj, m.k_proj, m.v_proj)):
+  pre = m._project_qkv(x)
+  for got, linear in zip((pre[:, :, 0], pre[:, :, 1], pre[:, :, 2]), (m.q_proj, m.k_proj, m.v_proj)):
     np.testing.assert_allclose(got, linear(x), rtol=1e-6, atol=1e-6)
 
 
