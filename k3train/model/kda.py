@@ -37,19 +37,6 @@ def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
   return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
-def normalize_qk_branches(a_3hk: jax.Array, eps: float = L2_EPS) -> jax.Array:
-  """[..., 3, H, K] = [q; k; v] → [q/‖q‖; k/‖k‖; v]: `l2_normalize` of the q and k branches, v
-  as it is, in fp32 and rounded to the input's dtype.
-
-  One pass over the three branches: its backward reads their gradients where they lie and writes
-  the conv's input gradient once, where normalising q and k as separate slices makes XLA write
-  their fp32 gradients out before joining them for the conv."""
-  a32 = a_3hk.astype(jnp.float32)
-  inv = jax.lax.rsqrt(jnp.sum(a32 * a32, axis=-1, keepdims=True) + eps)
-  is_qk = (jnp.arange(a_3hk.shape[-3]) < 2)[:, None, None]                 # [3, 1, 1]
-  return (a32 * jnp.where(is_qk, inv, 1.0)).astype(a_3hk.dtype)
-
-
 def lower_bound_gate(z: jax.Array, a_log: jax.Array, lower_bound: float) -> jax.Array:
   """g = lb · σ(exp(A_log) · z) ∈ (lb, 0): K3's lower-bounded log-decay (docs/maths.md §1.2 step 5), fp32.
 
@@ -136,8 +123,11 @@ class KimiDeltaAttention(nnx.Module):
     # each way; the taps never mix branches).
     pre = constrain(self._project_qkv(x_btd), ax.BATCH, ax.SEQ, None, ax.HEADS, ax.HEAD_DIM)
     y = seq_parallel.causal_conv(pre, self._conv_weights(), segment_ids_bt, self._conv)
-    qkv = normalize_qk_branches(jax.nn.silu(remat.tag(y, remat.KDA_CONV)))
-    q, k, v = (constrain(qkv[:, :, i], *act) for i in range(3))
+    # q and k normalised as slices of their own (one pass over all three branches, v passed
+    # through, ran 10 % slower per update: benchmarks/train_step.md, 2026-12-06).
+    y = jax.nn.silu(remat.tag(y, remat.KDA_CONV))
+    q, k, v = (constrain(y[:, :, i], *act) for i in range(3))
+    q, k = l2_normalize(q), l2_normalize(k)
     beta = jax.nn.sigmoid(self.b_proj(x_btd).astype(jnp.float32))                  # [B, T, H]
     z = self.f_b_proj(self.f_a_proj(x_btd)).astype(jnp.float32) + self.dt_bias[...]
     g = lower_bound_gate(z, self.A_log[...], self.lower_bound)                      # [B, T, H, K]
@@ -168,9 +158,10 @@ class KimiDeltaAttention(nnx.Module):
     """
     pre = self._project_qkv(x_btd)                                            # [B, T, 3, H, K]
     y = self._conv(pre, self._conv_weights(), segment_ids_bt)
-    qkv = normalize_qk_branches(jax.nn.silu(y))
+    y = jax.nn.silu(y)
+    q, k = l2_normalize(y[:, :, 0]), l2_normalize(y[:, :, 1])
     beta, g = self._gates(x_btd)
-    o, state = kda_op(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], g, beta,
+    o, state = kda_op(q.astype(self.dtype), k.astype(self.dtype), y[:, :, 2], g, beta,
                       segment_ids=segment_ids_bt, chunk_size=self.chunk_size, backend=self.backend,
                       output_final_state=True)
     return self._output(o, x_btd), {"state": state, "conv": _conv_history(pre, segment_ids_bt,
@@ -190,10 +181,12 @@ class KimiDeltaAttention(nnx.Module):
     y = x_t.astype(jnp.float32) * w32[width - 1]
     for shift in range(1, width):
       y = y + hist[:, width - 1 - shift].astype(x_t.dtype).astype(jnp.float32) * w32[width - 1 - shift]
-    qkv = normalize_qk_branches(jax.nn.silu(y.astype(x_t.dtype)))
+    y = jax.nn.silu(y.astype(x_t.dtype))
+    q, k = l2_normalize(y[:, 0]), l2_normalize(y[:, 1])
     beta, g = self._gates(x_b1d)
     state = jnp.where(reset[:, None, None, None], 0.0, cache["state"])
-    o, state = kda_decode_step(qkv[:, 0], qkv[:, 1], qkv[:, 2], g[:, 0], beta[:, 0], state)
+    o, state = kda_decode_step(q.astype(self.dtype), k.astype(self.dtype), y[:, 2], g[:, 0],
+                               beta[:, 0], state)
     new_in = x_t[:, None].astype(hist.dtype)                                # [B, 1, 3, H, K]
     hist = jnp.concatenate([hist[:, 1:], new_in], axis=1) if width > 1 else hist
     return self._output(o[:, None], x_b1d), {"state": state, "conv": hist}

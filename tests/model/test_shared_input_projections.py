@@ -116,24 +116,3 @@ def test_mla_one_down_gemm_matches_the_two_projections():
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(y_ref))))
   np.testing.assert_allclose(g_x, g_x_ref, rtol=0, atol=1e-4 * float(jnp.max(jnp.abs(g_x_ref))))
   _assert_same(g_params, g_params_ref, "MLA parameter gradients")
-
-
-def test_kda_branch_normalisation_is_l2_normalize_on_q_and_k_only():
-  """`normalize_qk_branches` on [B, T, 3, H, K] in bf16: q and k as `l2_normalize` rounds them
-  (one bf16 rounding apart at most, the sums' order), v bit for bit; and the same gradient."""
-  a = jax.random.normal(jax.random.key(10), (2, 9, 3, 2, 16), jnp.float32).astype(jnp.bfloat16)
-  got = kda_lib.normalize_qk_branches(a)
-  assert got.dtype == jnp.bfloat16
-  for i in (0, 1):
-    want = kda_lib.l2_normalize(a[:, :, i]).astype(jnp.bfloat16)
-    np.testing.assert_allclose(np.asarray(got[:, :, i], np.float32), np.asarray(want, np.float32),
-                               rtol=2 ** -7, atol=0)
-  np.testing.assert_array_equal(np.asarray(got[:, :, 2]), np.asarray(a[:, :, 2]))
-
-  w = jax.random.normal(jax.random.key(11), a.shape, jnp.float32)
-  joined = jax.grad(lambda x: jnp.sum(kda_lib.normalize_qk_branches(x).astype(jnp.float32) * w))
-  apart = jax.grad(lambda x: sum(
-      jnp.sum(kda_lib.l2_normalize(x[:, :, i]) * w[:, :, i]) for i in (0, 1))
-      + jnp.sum(x[:, :, 2].astype(jnp.float32) * w[:, :, 2]))
-  a32 = a.astype(jnp.float32)
-  np.testing.assert_allclose(joined(a32), apart(a32), rtol=1e-5, atol=1e-6)
