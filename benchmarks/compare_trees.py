@@ -100,8 +100,8 @@ def run_one(tree: Tree, script: str, args: list[str], timeout: float) -> tuple[s
 
 
 def rows_of(stdout: str, stderr: str, problem: str) -> list[dict]:
-  """The JSON rows a process printed; a failed process without rows gives one error row (with
-  the compile time its stderr reports)."""
+  """The JSON rows a process printed; a process without rows gives one error row (with the
+  compile time its stderr reports)."""
   rows = []
   for line in stdout.splitlines():
     line = line.strip()
@@ -112,8 +112,9 @@ def rows_of(stdout: str, stderr: str, problem: str) -> list[dict]:
         continue
       if isinstance(row, dict) and "name" in row:
         rows.append(row)
-  if rows or not problem:
+  if rows:
     return rows
+  problem = problem or "printed no JSON row"
   compiled = COMPILED.findall(stderr)
   last = [l.strip() for l in stderr.splitlines() if l.strip()][-1:]
   said = last and not COMPILED.match(last[0])      # the last thing it said, unless its compile

@@ -1,5 +1,6 @@
 """benchmarks/compare_trees.py: alternating processes per tree, rows parsed, differences from the
-first tree, failed and timed-out processes reported, bad input refused before anything runs."""
+first tree, failed, silent and timed-out processes reported, bad input refused before anything
+runs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ FAKE = textwrap.dedent('''
     if os.path.exists(os.path.join(here, "FAIL")):
       print("Traceback: something broke", file=sys.stderr)
       sys.exit(3)
+    if os.path.exists(os.path.join(here, "SILENT")):
+      sys.exit(0)
     step = float(open(os.path.join(here, "STEP")).read())
     for name in sys.argv[2:] or ["base"]:
       print("not json {")
@@ -36,7 +39,7 @@ FAKE = textwrap.dedent('''
 ''')
 
 
-def _tree(root, name, step=None, sleep=False, fail=False):
+def _tree(root, name, step=None, sleep=False, fail=False, silent=False):
   path = os.path.join(root, name)
   os.makedirs(os.path.join(path, "benchmarks"))
   with open(os.path.join(path, "benchmarks", "train_step.py"), "w") as f:
@@ -44,7 +47,7 @@ def _tree(root, name, step=None, sleep=False, fail=False):
   if step is not None:
     with open(os.path.join(path, "STEP"), "w") as f:
       f.write(str(step))
-  for flag, on in (("SLEEP", sleep), ("FAIL", fail)):
+  for flag, on in (("SLEEP", sleep), ("FAIL", fail), ("SILENT", silent)):
     if on:
       open(os.path.join(path, flag), "w").close()
   return path
@@ -79,12 +82,14 @@ def test_a_failed_or_timed_out_process_gives_an_error_row(tmp_path, capsys):
   a = _tree(tmp_path, "a", step=2.0)
   slow = _tree(tmp_path, "slow", sleep=True)
   broken = _tree(tmp_path, "broken", fail=True)
+  silent = _tree(tmp_path, "silent", silent=True)
   log = tmp_path / "order.log"
   assert bench.main([bench.PROG, f"--tree={a}", f"--tree={slow}", f"--tree={broken}",
-                     "--rounds=1", "--timeout=5", "--", str(log)]) == 1
+                     f"--tree={silent}", "--rounds=1", "--timeout=5", "--", str(log)]) == 1
   text = capsys.readouterr().out
   assert "| 2 | slow | base | ran past --timeout=5 s | – | 12.5 |" in text
   assert "| 3 | broken | base | exit status 3: Traceback: something broke | – | 12.5 |" in text
+  assert "| 4 | silent | base | printed no JSON row | – | 12.5 |" in text
   assert "| 1 | a | base | 2,000.0 (1,990.0) |" in text
 
 
