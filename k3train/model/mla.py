@@ -101,7 +101,10 @@ class GatedMLA(nnx.Module):
 
   def latent(self, x_btd: jax.Array) -> jax.Array:
     """[c ; k^R] [B, T, kv_lora_rank + rope]: what the decode cache holds per token."""
-    kv_a = self._down_projections(x_btd)[1]
+    return self._latent_rows(self._down_projections(x_btd)[1])
+
+  def _latent_rows(self, kv_a: jax.Array) -> jax.Array:
+    """[norm(c) ; k^R] from the kv down-projection x W^DKV [..., kv_lora_rank + rope]."""
     c = self.kv_a_norm(kv_a[..., :self.kv_lora_rank])
     return jnp.concatenate([c, kv_a[..., self.kv_lora_rank:]], axis=-1)
 
@@ -118,9 +121,10 @@ class GatedMLA(nnx.Module):
     own slot included). Returns (out [B, 1, d], the cache with this token's row at `pos`).
     """
     f32, hp = jnp.float32, jax.lax.Precision.HIGHEST
-    row = self.latent(x_b1d).astype(latent_bsc.dtype)                      # [B, 1, C + R]
+    q_a, kv_a = self._down_projections(x_b1d)                               # one GEMM for both
+    row = self._latent_rows(kv_a).astype(latent_bsc.dtype)                  # [B, 1, C + R]
     latent_bsc = jax.lax.dynamic_update_slice_in_dim(latent_bsc, row, pos, axis=1)
-    q = self.q_b_proj(self.q_a_norm(self._down_projections(x_b1d)[0]))[:, 0].astype(f32)  # [B, H, n + r]
+    q = self.q_b_proj(self.q_a_norm(q_a))[:, 0].astype(f32)                # [B, H, n + r]
     q_c, q_r = q[..., :self.nope], q[..., self.nope:]
     w_kvb = self.kv_b_proj.kernel[...].astype(self.dtype).astype(f32)       # [C, H, n + v]
     w_uk, w_uv = w_kvb[..., :self.nope], w_kvb[..., self.nope:]
