@@ -15,6 +15,13 @@ each step alone instead (batch, dispatch and run back to back), as every record 
 including 2026-12-03 measured. MFU = tokens/s × the train loop's model FLOPs per token /
 (device peak).
 
+The step is two programs (k3train/train/phased.py): `trace_lower_s` is the gradient program's
+tracing and lowering, `backend_compile_s` the time from there until both programs were compiled
+(the update program traced, lowered and compiled on one thread while XLA compiles the gradient
+program on another), `backend_compile_programs_s` each thread's own time. Kernel counts, work
+and custom calls add up both programs; `xla_memory_gib` is the larger program's analysis, each
+program's under "programs".
+
 Memory, per device, in GiB: `xla_memory_gib` is XLA's memory analysis of that executable
 (arguments, temporaries, outputs, aliased, code) with total = arguments + temporaries + outputs −
 aliased (the donated state is both an argument and an output and is counted once);
@@ -446,7 +453,9 @@ def peak_breakdown(live: list[tuple[str, str, int]], hlo_text: str, top: int = 1
 
 def memory_report(dump_dir: str, hlo_text: str) -> dict:
   """The JSON keys of `--memory_report` from the newest live-range dump of the step."""
-  files = sorted(glob.glob(os.path.join(dump_dir, "*sharded_step*live-range.txt")),
+  # The gradient program holds the step's peak; a one-program step is "sharded_step" alone.
+  files = sorted(glob.glob(os.path.join(dump_dir, "*sharded_step_gradients*live-range.txt")) or
+                 glob.glob(os.path.join(dump_dir, "*sharded_step*live-range.txt")),
                  key=os.path.getmtime)
   if not files:
     return {"xla_peak_error": f"no live-range dump of the step in {dump_dir}"}
@@ -454,7 +463,7 @@ def memory_report(dump_dir: str, hlo_text: str) -> dict:
     live = peak_live_buffers(f.read())
   if not live:
     return {"xla_peak_error": f"no peak block in {files[-1]}"}
-  found = peak_breakdown(live, hlo_text)
+  found = peak_breakdown(live, next(iter(hlo_modules(hlo_text).values())))
   return {"xla_peak_live_gib": _gib(sum(b for *_, b in live)),
           "xla_peak_by_part_gib": {k: _gib(v) for k, v in found["by_part"].items()},
           "xla_peak_top": found["top"]}
@@ -504,6 +513,43 @@ def python_profile(profiler, top: int = 50) -> dict[str, list]:
     keys = sorted(stats, key=lambda k: stats[k][index], reverse=True)[:top]
     return [[round(stats[k][index], 2), stats[k][1], where(k)] for k in keys]
   return {"cumulative": longest(3), "own": longest(2)}
+
+
+def hlo_modules(hlo_text: str) -> dict[str, str]:
+  """{module name: its text} of compiled HLO text that may hold several modules (the train
+  step's gradient and update programs, k3train/train/phased.py, one after the other)."""
+  starts = [m.start() for m in re.finditer(r"^HloModule ", hlo_text, re.M)]
+  if len(starts) <= 1:
+    m = re.match(r"HloModule ([\w.\-]+)", hlo_text)
+    return {m.group(1) if m else "": hlo_text}
+  bounds = starts[1:] + [len(hlo_text)]
+  texts = [hlo_text[a:b] for a, b in zip(starts, bounds)]
+  return {re.match(r"HloModule ([\w.\-]+)", t).group(1): t for t in texts}
+
+
+def summed_over_modules(fn, hlo_text: str):
+  """fn(module text) for each module of hlo_text, its numbers added key by key (nested dicts
+  too; other values from the first module that has the key)."""
+  def add(a, b):
+    if isinstance(a, dict) and isinstance(b, dict):
+      return {k: add(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+      return a + b
+    return a
+  results = [fn(text) for text in hlo_modules(hlo_text).values()]
+  total = results[0]
+  for r in results[1:]:
+    total = add(total, r)
+  return total
+
+
+def qualified(fn, hlo_text: str) -> dict:
+  """fn(module text) → {name: value} merged over the modules of hlo_text, each name as
+  "module::name" when there are several (instruction names repeat between modules)."""
+  modules = hlo_modules(hlo_text)
+  if len(modules) == 1:
+    return fn(hlo_text)
+  return {f"{module}::{k}": v for module, text in modules.items() for k, v in fn(text).items()}
 
 
 def kernels_by_part(hlo_text: str) -> dict[str, int]:
@@ -595,6 +641,8 @@ def device_op_times(trace_dir: str) -> tuple[dict[str, float], list[str], list[t
       for event in line.events:
         stats = dict(_stats(event))
         op = str(stats.get("hlo_op") or event.name)
+        if stats.get("hlo_module"):      # instruction names repeat between programs
+          op = f"{stats['hlo_module']}::{op}"
         times[op] += event.duration_ns * 1e-9
         intervals.append((float(event.start_ns), float(event.start_ns + event.duration_ns), op))
   return dict(times), lines_seen, intervals
@@ -640,6 +688,22 @@ def _stats(event):
     return []
 
 
+def traced_op_name(modules: list[str], where: dict[str, str]):
+  """traced op name → the key of `where` (`qualified`): "module::op" from the trace's own module
+  stat where it names one of `modules`, else the one module holding that op; unqualified where
+  there is a single module."""
+  def name(traced: str) -> str:
+    module, sep, op = traced.rpartition("::")
+    op = op if sep else traced
+    if len(modules) == 1:
+      return op
+    held = [m for m in modules if f"{m}::{op}" in where]
+    named = [m for m in held if sep and (m == module or m.endswith(module) or module.endswith(m))]
+    pick = named or (held if len(held) == 1 else [])
+    return f"{pick[0]}::{op}" if pick else traced
+  return name
+
+
 def part_profile(trace_dir: str, hlo_text: str, steps: int, dump_prefix: str = "") -> dict:
   """Per-part device milliseconds per step, and the fifteen most expensive ops. With dump_prefix,
   every op also goes to <dump_prefix>_ops.json and the compiled HLO to <dump_prefix>_hlo.txt.gz
@@ -647,11 +711,17 @@ def part_profile(trace_dir: str, hlo_text: str, steps: int, dump_prefix: str = "
   times, lines_seen, intervals = device_op_times(trace_dir)
   if not times:
     return {"error": "no device ops in the trace", "lines": lines_seen[:20]}
-  where = op_locations(hlo_text)
-  kinds = op_kinds(hlo_text)
+  where = qualified(op_locations, hlo_text)
+  name = traced_op_name(list(hlo_modules(hlo_text)), where)
+  merged: dict[str, float] = collections.defaultdict(float)
+  for op, seconds in times.items():
+    merged[name(op)] += seconds
+  times = dict(merged)
+  intervals = [(a, b, name(op)) for a, b, op in intervals]
+  kinds = qualified(op_kinds, hlo_text)
   total = sum(times.values())
   top = sorted(times.items(), key=lambda kv: -kv[1])[:15]
-  costs, _ = hlo_costs.kernel_costs(hlo_text)
+  costs = qualified(lambda text: hlo_costs.kernel_costs(text)[0], hlo_text)
   part_of = lambda op: classify(where.get(op, ""))
   out = {"device_ms_per_step": round(1e3 * total / steps, 2),
          **part_breakdown(times, where, kinds, steps),
@@ -703,23 +773,37 @@ def _gib(b: float) -> float:
   return float(f"{b / 2**30:.4g}")
 
 
-def xla_memory(compiled) -> dict | None:
-  """Per-device bytes of XLA's memory analysis of the compiled step, or None when the backend
-  reports none. total = arguments + temporaries + outputs − aliased (the donated state's buffers
-  are both an argument and an output, counted once)."""
-  try:
-    m = compiled.memory_analysis()
-  except Exception:                                          # noqa: BLE001
-    return None
-  if isinstance(m, (list, tuple)):
-    m = m[0] if m else None
-  if m is None:
-    return None
+def _memory_totals(m) -> dict:
   out = {"arguments": int(m.argument_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
          "outputs": int(m.output_size_in_bytes), "aliased": int(m.alias_size_in_bytes),
          "code": int(getattr(m, "generated_code_size_in_bytes", 0) or 0)}
   out["total"] = out["arguments"] + out["temporaries"] + out["outputs"] - out["aliased"]
   return out
+
+
+def xla_memory(compiled) -> dict | None:
+  """Per-device bytes of XLA's memory analysis of the compiled step, or None when the backend
+  reports none. total = arguments + temporaries + outputs − aliased (the donated state's buffers
+  are both an argument and an output, counted once). The train step's two programs
+  (k3train/train/phased.py) run one after the other: the row is the larger one's, with each
+  program's own analysis under "programs" ("gradients", "update")."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:                                          # noqa: BLE001
+    return None
+  phases = getattr(compiled, "seconds", None) is not None    # a CompiledPhases
+  if phases:
+    if any(x is None for x in m):
+      return None
+    grads, update = _memory_totals(m[0]), _memory_totals(m[1])
+    out = dict(max((grads, update), key=lambda t: t["total"]))
+    out["programs"] = {"gradients": grads, "update": update}
+    return out
+  if isinstance(m, (list, tuple)):
+    m = m[0] if m else None
+  if m is None:
+    return None
+  return _memory_totals(m)
 
 
 def plan_memory(cfg, device_count: int) -> dict:
@@ -748,7 +832,8 @@ def memory_row(compiled, cfg, device_count: int) -> dict:
   if xla is None:
     row["xla_memory_gib"] = None
   else:
-    row["xla_memory_gib"] = {k: _gib(v) for k, v in xla.items()}
+    gib = lambda v: {k: gib(x) for k, x in v.items()} if isinstance(v, dict) else _gib(v)
+    row["xla_memory_gib"] = gib(xla)
   try:
     planned = plan_memory(cfg, device_count)
   except Exception as e:                                     # noqa: BLE001
@@ -856,7 +941,13 @@ def lowered_row(cfg, name: str, target: str, profile: bool = False) -> dict:
       profiler.disable()
   text = lowered.as_text(debug_info=True)
   calls = collections.Counter(re.findall(r'custom_call @([\w.$-]+)\(', text))
-  by_part = stablehlo_ops_by_part(text)
+  # One module per program (the train step's two, k3train/train/phased.py): location aliases
+  # (#loc…) are per module.
+  starts = [m.start() for m in re.finditer(r"^module @", text, re.M)] or [0]
+  by_part = collections.Counter()
+  for a, b in zip(starts, starts[1:] + [len(text)]):
+    by_part.update(stablehlo_ops_by_part(text[a:b]))
+  by_part = dict(by_part.most_common())
   return {"name": name, "lowered_for": target,
           "tokens_per_step": t.global_batch_size * cfg.data.seq_len,
           "trace_s": round(t1 - t0, 1), "lower_s": round(t2 - t1, 1),
@@ -898,15 +989,18 @@ def compile_step(run, batch, fv, name: str):
   compile_s = t2 - t0
   hlo_text = compiled.as_text() or ""
   compile_row = {"trace_lower_s": round(t1 - t0, 1), "backend_compile_s": round(t2 - t1, 1),
+                 **({"backend_compile_programs_s": {k: round(v, 1) for k, v in compiled.seconds.items()
+                                                    if k != "wall"}}
+                    if getattr(compiled, "seconds", None) else {}),
                  "jax_compile_events_s": {
                      k.rsplit("/", 1)[-1]: round(v - events_before.get(k, 0.0), 1)
                      for k, v in _jax_event_seconds().items() if k.startswith("/jax/core/compile/")},
-                 "kernels_by_part": kernels_by_part(hlo_text),
-                 "custom_calls": custom_calls_by_target(hlo_text),
-                 "collectives": collectives_by_kind(hlo_text)}
+                 "kernels_by_part": summed_over_modules(kernels_by_part, hlo_text),
+                 "custom_calls": summed_over_modules(custom_calls_by_target, hlo_text),
+                 "collectives": summed_over_modules(collectives_by_kind, hlo_text)}
   compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
-  compile_row["kernels_distinct"] = distinct_kernels(hlo_text)
-  compile_row["work_by_part"] = work_by_part(hlo_text)
+  compile_row["kernels_distinct"] = summed_over_modules(distinct_kernels, hlo_text)
+  compile_row["work_by_part"] = summed_over_modules(work_by_part, hlo_text)
   if compile_trace:
     compile_row["compile_events"] = compile_events(compile_trace)
   if profiler is not None:

@@ -27,7 +27,7 @@ from k3train.model.decoder import abstract_model
 from k3train.optim.optimizer import make_optimizer
 from k3train.train import layout as layout_lib
 from k3train.train import metrics as metrics_lib
-from k3train.train.step import TrainState, make_train_step, mtp_metrics
+from k3train.train.step import StepPhases, TrainState, make_train_step, mtp_metrics
 
 
 @dataclasses.dataclass
@@ -79,9 +79,10 @@ def restore_target(cfg: ml_collections.ConfigDict, layout: layout_lib.Layout):
   return graphdef, jax.tree.map(sds, like, shardings), shardings
 
 
-def train_step_fn(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.GradientTransformation):
-  """The un-jitted train step with the config's optimizer-side settings; with model.mtp on its
-  metrics also hold "mtp_loss" and "mtp_tokens"."""
+def train_step_fn(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.GradientTransformation
+                  ) -> StepPhases:
+  """The un-jitted train step (its two phases; called, the whole step) with the config's
+  optimizer-side settings; with model.mtp on its metrics also hold "mtp_loss" and "mtp_tokens"."""
   o = cfg.optim
   step = make_train_step(graphdef, optimizer, loss_spike_factor=o.loss_spike_factor,
                          loss_spike_ema=o.loss_spike_ema,
@@ -90,15 +91,15 @@ def train_step_fn(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.Gra
                          microbatches=cfg.train.microbatches, quant=cfg.model.quant,
                          loss_chunk_tokens=cfg.train.loss_chunk_tokens,
                          compute_dtype=jnp.dtype(cfg.model.dtype))
-  return with_mtp_metrics(step) if cfg.model.mtp.enabled else step
+  return step.with_update(with_mtp_metrics) if cfg.model.mtp.enabled else step
 
 
 def with_mtp_metrics(train_step: Callable) -> Callable:
-  """train_step whose metrics add the MTP loss per MTP position and the positions' number, read
-  from the state the forward wrote (a step the loss-spike guard skipped shows the previous
-  step's values, since it keeps the old state)."""
-  def step(state: TrainState, batch: dict):
-    new_state, metrics = train_step(state, batch)
+  """train_step (or its update phase) whose metrics add the MTP loss per MTP position and the
+  positions' number, read from the state the forward wrote (a step the loss-spike guard skipped
+  shows the previous step's values, since it keeps the old state)."""
+  def step(state: TrainState, inputs):
+    new_state, metrics = train_step(state, inputs)
     return new_state, {**metrics, **mtp_metrics(new_state.rest)}
   return step
 
@@ -117,7 +118,7 @@ class Run:
   graphdef: Any
   state: TrainState
   shardings: TrainState
-  step: Callable            # jitted (state, batch) -> (state, metrics); donates state
+  step: Callable            # jitted (state, batch) -> (state, metrics); donates state (phased.py)
 
 
 def build(cfg: ml_collections.ConfigDict, *, devices=None, log: Callable[[str], None] | None = None) -> Run:

@@ -40,7 +40,8 @@ from k3train.model.vision import PATCH_VALUES
 from k3train.parallel import mesh as mesh_lib
 from k3train.parallel import rules as rules_lib
 from k3train.parallel import state_sharding
-from k3train.train.step import TrainState
+from k3train.train import phased
+from k3train.train.step import StepGradients, StepPhases, TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,15 +73,31 @@ class Layout:
     """`step_fn(state, batch) -> (state, metrics)` jitted with explicit state / batch / metric
     shardings, the state donated. The model is traced inside `activate()`, so its logical
     constraints and the expert- and sequence-parallel ops see the mesh. compiler_options: XLA
-    options for this executable only (`config.xla_options`)."""
-    def sharded_step(state, batch):
-      with self.activate():
-        return step_fn(state, batch)
+    options for this executable only (`config.xla_options`).
+
+    A `StepPhases` step_fn (the train step) becomes a `PhasedStep`: its gradient and update
+    phases as two programs that compile side by side (k3train/train/phased.py); any other
+    function, one program."""
+    def in_mesh(fn, name):   # name: the program's name in XLA's dumps and profiles
+      def traced(*args):
+        with self.activate():
+          return fn(*args)
+      traced.__name__ = traced.__qualname__ = name
+      return traced
 
     batch_sh = {**{k: self.batch for k in state_sharding.BATCH_KEYS_2D}, **self.vision}
-    return jax.jit(sharded_step, in_shardings=(shardings, batch_sh),
-                   out_shardings=(shardings, self.replicated), donate_argnums=0,
-                   compiler_options=compiler_options or None)
+    options = dict(compiler_options=compiler_options or None)
+    if not isinstance(step_fn, StepPhases):
+      return jax.jit(in_mesh(step_fn, "sharded_step"), in_shardings=(shardings, batch_sh),
+                     out_shardings=(shardings, self.replicated), donate_argnums=0, **options)
+    rep = self.replicated
+    grads_sh = StepGradients(loss=rep, n_tokens=rep, rest=shardings.rest, grads=shardings.params)
+    # keep_unused: the whole state stays an argument, so the memory analysis counts what is live.
+    gradients = jax.jit(in_mesh(step_fn.gradients, "sharded_step_gradients"), in_shardings=(shardings, batch_sh),
+                        out_shardings=grads_sh, keep_unused=True, **options)
+    update = jax.jit(in_mesh(step_fn.update, "sharded_step_update"), in_shardings=(shardings, grads_sh),
+                     out_shardings=(shardings, rep), donate_argnums=0, **options)
+    return phased.PhasedStep(gradients, update, grads_sh)
 
 
 def make_layout(cfg: ml_collections.ConfigDict, devices=None) -> Layout:

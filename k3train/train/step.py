@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -418,11 +418,42 @@ def state_nonfinite(state: TrainState) -> dict:
   return nonfinite_check(state, jnp.float32(0.0), jnp.bool_(False))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepGradients:
+  """What a step's gradient phase hands to its update phase."""
+  loss: jax.Array          # fp32 scalar: the step's loss (the micro-batches' token-weighted mean)
+  n_tokens: jax.Array      # scalar: the step's loss tokens
+  rest: Any                # the model variables the forward wrote, combined over micro-batches
+  grads: Any               # the gradients, the tree and dtypes of `params`
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPhases:
+  """A train step in its two phases: `gradients(state, batch) -> StepGradients` (the forward
+  and backward of every micro-batch) and `update(state, gradients) -> (state, metrics)` (the
+  optimizer, QK-Clip, the router-bias update, the guards and the metrics).
+
+  Called, it is the whole step as one function, `train_step(state, batch) -> (state, metrics)`.
+  `layout.jit_step` jits the phases as two programs that compile side by side
+  (k3train/train/phased.py)."""
+  gradients: Callable[[TrainState, dict], StepGradients]
+  update: Callable[[TrainState, StepGradients], tuple[TrainState, dict]]
+
+  def __call__(self, state: TrainState, batch: dict):
+    return self.update(state, self.gradients(state, batch))
+
+  def with_update(self, wrap: Callable) -> "StepPhases":
+    """The same phases with the update phase replaced by `wrap(update)`."""
+    return StepPhases(self.gradients, wrap(self.update))
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_spike_factor: float = 0.0,
                     loss_spike_ema: float = 0.99, qk_clip_tau: float | None = None,
                     mla_nope_dim: int | None = None, microbatches: int = 1, quant=None,
-                    loss_chunk_tokens: int = 0, compute_dtype=None):
-  """train_step(state, batch) -> (state, metrics); jit it with explicit shardings at the call site.
+                    loss_chunk_tokens: int = 0, compute_dtype=None) -> StepPhases:
+  """The train step as `StepPhases`; called, `train_step(state, batch) -> (state, metrics)`. Jit
+  it with explicit shardings at the call site (`layout.jit_step`).
 
   compute_dtype (`model.dtype`): when given and QAT is off, the routed-expert weights are cast to
   it once per step, before the micro-batches (`moe.cast_expert_weights`: the same gradients, bit
@@ -447,15 +478,21 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
   if qat is None and compute_dtype is not None:   # QAT paths re-quantise the fp32 weights
     forward_params = functools.partial(moe.cast_expert_weights, dtype=compute_dtype)
 
-  def train_step(state: TrainState, batch: dict):
-    params_fwd, qat_on = state.params, None
+  def qat_active(state: TrainState):
+    return None if qat is None else state.step >= qat.start_step
+
+  def gradients(state: TrainState, batch: dict) -> StepGradients:
+    params_fwd, qat_on = state.params, qat_active(state)
     if qat is not None:   # MX QAT: quantise the expert weights once per step
-      qat_on = state.step >= qat.start_step
       params_fwd = moe.fake_quant_expert_weights(state.params, qat, qat_on)
     with moe.expert_quantization(qat, qat_on, weights_quantized=True), moe.qb_training_routing():
       (loss, (rest, n_tokens)), grads = loss_and_grads(graphdef, params_fwd, state.rest, batch,
                                                        microbatches, loss_chunk_tokens=loss_chunk_tokens,
                                                        forward_params=forward_params)
+    return StepGradients(loss, n_tokens, rest, grads)
+
+  def update(state: TrainState, g: StepGradients):
+    loss, rest, n_tokens, grads = g.loss, g.rest, g.n_tokens, g.grads
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
@@ -471,7 +508,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": n_tokens,
                "skipped_update": skip.astype(jnp.float32), **clip_stats, **group_norms}
     if qat is not None:
-      metrics["qat_active"] = qat_on.astype(jnp.float32)
+      metrics["qat_active"] = qat_active(state).astype(jnp.float32)
     loads = _collect(rest, moe.ExpertLoad)
     if loads:
       load_le = jnp.concatenate([l.reshape(-1, l.shape[-1]) for l in loads])  # [MoE layers, E]
@@ -491,4 +528,4 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, loss_s
                                    fields=STEP_CHECKED_FIELDS))
     return new_state, metrics
 
-  return train_step
+  return StepPhases(gradients, update)

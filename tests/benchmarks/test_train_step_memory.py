@@ -79,9 +79,15 @@ def test_plan_and_xla_agree(output):
   xla, planned = row["xla_memory_gib"], row["plan_memory_gib"]
   # Two independent counts of the train state: the plan sums parameter / variable / optimizer
   # leaves from the abstract state and the rule table; XLA's aliased bytes are the donated state
-  # buffers of the compiled step (the state plus a few scalars: step, loss EMA, skip count).
+  # buffers of the update program (the state plus a few scalars: step, loss EMA, skip count).
+  # The gradient program takes the same state undonated, and the batch, and returns gradients.
   state = planned["parameters"] + planned["model_variables"] + planned["optimizer_state"]
-  assert xla["aliased"] == pytest.approx(state, rel=0.02), (xla, planned)
+  gradients, update = xla["programs"]["gradients"], xla["programs"]["update"]
+  assert update["aliased"] == pytest.approx(state, rel=0.02), (xla, planned)
+  assert gradients["aliased"] == 0 and gradients["arguments"] > state * 0.999, xla
+  assert gradients["outputs"] >= planned["gradients"] * 0.999, (xla, planned)
+  # The row is the program with the larger total: the gradient program (activations).
+  assert xla["total"] == gradients["total"] > update["total"], xla
   # Totals: the plan models GPU fusion (elementwise intermediates fused away), XLA:CPU keeps more
   # of them in temporaries; this config measured plan / XLA = 0.73 on CPU. A band of 0.25–4 still
   # catches a unit or per-device-vs-global mistake (factors of 1024 or the device count).

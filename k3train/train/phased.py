@@ -1,0 +1,147 @@
+"""The train step as two XLA programs that compile side by side.
+
+`Layout.jit_step` jits a `StepPhases` (k3train/train/step.py) as two programs: the gradient
+program (every micro-batch's forward and backward: nearly all of the step's work and of its
+compile) and the update program (the optimizer over every parameter leaf, QK-Clip, the
+router-bias update, the guards and the metrics). XLA runs the passes that fuse, schedule and
+assign buffers for a program on one thread, and that time grows with the program; here the two
+programs compile on two threads, and the update program is traced and lowered while XLA compiles
+the gradient program, so the step is ready when the larger one is, not after both
+(benchmarks/train_step.md measures it).
+
+At run time the two programs run back to back on the device's stream, as one program would run
+its two halves. The gradients stay in device memory between them, where one program kept them
+as temporaries: the step's work and peak memory are the same. The gradient program takes the
+whole state and donates nothing (all of it is live while it runs, so its memory analysis counts
+the optimizer state too); the update program donates the state.
+
+    step = layout.jit_step(phases, shardings)
+    state, metrics = step(state, batch)          # the first call for new shapes compiles both
+    compiled = step.lower(state, batch).compile()  # ahead of time, the same two programs
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any, Callable
+
+import jax
+
+
+def _signature(args: tuple) -> tuple:
+  """Tree structure, shapes and dtypes of `args`: what a compiled executable is specific to."""
+  leaves, treedef = jax.tree.flatten(args)
+  return treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
+                        for x in leaves)
+
+
+class CompiledPhases:
+  """The two compiled programs; called as `(state, batch) -> (state, metrics)`.
+
+  seconds: each program's compile on its thread ("gradients": XLA; "update": its trace and
+  lowering too, unless done before) and "wall", the time until both were ready (less than their
+  sum when they overlapped)."""
+
+  def __init__(self, gradients, update, seconds: dict[str, float]):
+    self.gradients, self.update, self.seconds = gradients, update, seconds
+
+  def __call__(self, state, batch):
+    return self.update(state, self.gradients(state, batch))
+
+  def as_text(self) -> str:
+    """Both optimised HLO modules, the gradient program's first."""
+    return "\n".join(c.as_text() or "" for c in (self.gradients, self.update))
+
+  def memory_analysis(self) -> tuple[Any, Any]:
+    """XLA's memory analysis of each program: (gradients, update)."""
+    return self.gradients.memory_analysis(), self.update.memory_analysis()
+
+
+class LoweredPhases:
+  """The gradient program lowered, and the update program lowered when first needed: `compile()`
+  starts XLA on the gradient program first, then traces, lowers and compiles the update program
+  while it runs."""
+
+  def __init__(self, gradients, lower_update: Callable[[], Any]):
+    self.gradients = gradients
+    self._lower_update = lower_update
+    self._update = None
+
+  @property
+  def update(self):
+    if self._update is None:
+      self._update = self._lower_update()
+    return self._update
+
+  def as_text(self, **kwargs) -> str:
+    """Both lowered modules (StableHLO), the gradient program's first."""
+    return "\n".join(l.as_text(**kwargs) for l in (self.gradients, self.update))
+
+  def compile(self, compiler_options: dict | None = None) -> CompiledPhases:
+    """Both programs compiled at once: the gradient program on a worker thread, the update
+    program (traced and lowered here if it was not yet) on this one; XLA releases Python's lock
+    while it compiles."""
+    kwargs = {"compiler_options": compiler_options} if compiler_options else {}
+    seconds = {}
+
+    def timed(name, lowered):
+      t0 = time.perf_counter()
+      out = lowered().compile(**kwargs)
+      seconds[name] = time.perf_counter() - t0
+      return out
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+      gradients = pool.submit(timed, "gradients", lambda: self.gradients)
+      update = timed("update", lambda: self.update)
+      gradients = gradients.result()
+    seconds["wall"] = time.perf_counter() - t0
+    return CompiledPhases(gradients, update, seconds)
+
+
+class TracedPhases:
+  """The gradient program traced, and the update program's trace (it needs only the gradient
+  program's output shapes) deferred to when it is lowered; `lower()` lowers the gradient
+  program."""
+
+  def __init__(self, gradients, trace_update: Callable[[], Any]):
+    self.gradients = gradients
+    self.trace_update = trace_update
+
+  def lower(self, **kwargs) -> LoweredPhases:
+    return LoweredPhases(self.gradients.lower(**kwargs),
+                         lambda: self.trace_update().lower(**kwargs))
+
+
+class PhasedStep:
+  """`(state, batch) -> (state, metrics)` as a gradient program and an update program.
+
+  gradients, update: the phases under `jax.jit` (explicit shardings; update donates the state);
+  gradients_shardings: the shardings of the gradient program's output (a `StepGradients`), which
+  the update program is traced against. Compiled executables are kept per argument signature
+  (tree structure, shapes and dtypes), as `jax.jit` keeps its own."""
+
+  def __init__(self, gradients, update, gradients_shardings):
+    self.gradients, self.update = gradients, update
+    self.gradients_shardings = gradients_shardings
+    self._compiled: dict[tuple, CompiledPhases] = {}
+
+  def trace(self, state, batch) -> TracedPhases:
+    traced = self.gradients.trace(state, batch)
+    like = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh),
+                        traced.out_info, self.gradients_shardings)
+    return TracedPhases(traced, lambda: self.update.trace(state, like))
+
+  def lower(self, state, batch, **kwargs) -> LoweredPhases:
+    return self.trace(state, batch).lower(**kwargs)
+
+  def __call__(self, state, batch):
+    key = _signature((state, batch))
+    compiled = self._compiled.get(key)
+    if compiled is None:
+      compiled = self._compiled[key] = self.lower(state, batch).compile()
+    return compiled(state, batch)
+
+
+__all__ = ["CompiledPhases", "LoweredPhases", "PhasedStep", "TracedPhases"]
