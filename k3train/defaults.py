@@ -158,6 +158,10 @@ def k3_full() -> ml_collections.ConfigDict:
   # "xla_gpu_enable_dynamic_slice_fusion=true" (jax.jit's compiler_options; values true / false,
   # integers and floats are typed, anything else stays text). "": XLA's defaults.
   t.xla_options = ""
+  # The step as two programs, the gradients and the update, compiled on two threads and run back
+  # to back (k3train/train/phased.py): the same work and memory, and the compile ends when the
+  # larger program's does. False: one program.
+  t.split_step = True
   t.peak_flops_per_device = 0.0     # MFU's peak; 0: by device kind (train/metrics.py PEAK_BF16_FLOPS)
   # Share of each device's memory limit that the start-up memory plan keeps free: a stage whose
   # planned peak exceeds (1 − margin) × the limit is refused before anything is built

@@ -105,8 +105,11 @@ def with_mtp_metrics(train_step: Callable) -> Callable:
 
 
 def jit_train_step(cfg, graphdef, optimizer, layout: layout_lib.Layout, shardings: TrainState):
-  """The train step jitted with explicit shardings on `layout` (the state is donated)."""
-  return layout.jit_step(train_step_fn(cfg, graphdef, optimizer), shardings,
+  """The train step jitted with explicit shardings on `layout` (the state is donated): as a
+  gradient program and an update program (`train.split_step`, k3train/train/phased.py) or as
+  one program."""
+  step = train_step_fn(cfg, graphdef, optimizer)
+  return layout.jit_step(step if cfg.train.split_step else step.whole, shardings,
                          compiler_options=config_lib.xla_options(cfg.train.xla_options))
 
 

@@ -92,12 +92,12 @@ class Layout:
                      out_shardings=(shardings, self.replicated), donate_argnums=0, **options)
     rep = self.replicated
     grads_sh = StepGradients(loss=rep, n_tokens=rep, rest=shardings.rest, grads=shardings.params)
-    # keep_unused: the whole state stays an argument, so the memory analysis counts what is live.
-    gradients = jax.jit(in_mesh(step_fn.gradients, "sharded_step_gradients"), in_shardings=(shardings, batch_sh),
-                        out_shardings=grads_sh, keep_unused=True, **options)
+    gradients = jax.jit(in_mesh(phased.passing_state(step_fn.gradients), "sharded_step_gradients"),
+                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, grads_sh),
+                        donate_argnums=0, **options)
     update = jax.jit(in_mesh(step_fn.update, "sharded_step_update"), in_shardings=(shardings, grads_sh),
                      out_shardings=(shardings, rep), donate_argnums=0, **options)
-    return phased.PhasedStep(gradients, update, grads_sh)
+    return phased.PhasedStep(gradients, update, (shardings, grads_sh))
 
 
 def make_layout(cfg: ml_collections.ConfigDict, devices=None) -> Layout:

@@ -11,9 +11,14 @@ the gradient program, so the step is ready when the larger one is, not after bot
 
 At run time the two programs run back to back on the device's stream, as one program would run
 its two halves. The gradients stay in device memory between them, where one program kept them
-as temporaries: the step's work and peak memory are the same. The gradient program takes the
-whole state and donates nothing (all of it is live while it runs, so its memory analysis counts
-the optimizer state too); the update program donates the state.
+as temporaries: the step's work and peak memory are the same. Each program donates the state
+and returns it: the gradient program unchanged (its buffers aliased, nothing copied), the update
+program updated. Handing the state on as an output matters: a buffer still in use as the input
+of a running program cannot be donated to the next one without the host waiting for that
+program to finish, which left the device idle while the update program was being launched
+(benchmarks/train_step.md); an output not yet written can be, as one step's state is to the
+next step. The gradient program's memory analysis counts the whole state (arguments, aliased)
+and the batch, the gradients and the activations: what is live while it runs.
 
     step = layout.jit_step(phases, shardings)
     state, metrics = step(state, batch)          # the first call for new shapes compiles both
@@ -47,7 +52,7 @@ class CompiledPhases:
     self.gradients, self.update, self.seconds = gradients, update, seconds
 
   def __call__(self, state, batch):
-    return self.update(state, self.gradients(state, batch))
+    return self.update(*self.gradients(state, batch))
 
   def as_text(self) -> str:
     """Both optimised HLO modules, the gradient program's first."""
@@ -114,24 +119,34 @@ class TracedPhases:
                          lambda: self.trace_update().lower(**kwargs))
 
 
+def passing_state(gradients: Callable) -> Callable:
+  """`gradients(state, batch) -> StepGradients` as `(state, batch) -> (state, StepGradients)`:
+  the gradient program hands the state it was given on to the update program."""
+  def gradients_passing_state(state, batch):
+    return state, gradients(state, batch)
+  return gradients_passing_state
+
+
 class PhasedStep:
   """`(state, batch) -> (state, metrics)` as a gradient program and an update program.
 
-  gradients, update: the phases under `jax.jit` (explicit shardings; update donates the state);
-  gradients_shardings: the shardings of the gradient program's output (a `StepGradients`), which
-  the update program is traced against. Compiled executables are kept per argument signature
-  (tree structure, shapes and dtypes), as `jax.jit` keeps its own."""
+  gradients: `passing_state(phases.gradients)` under `jax.jit` (explicit shardings, the state
+  donated); update: `phases.update` under `jax.jit` (the state donated); out_shardings: the
+  gradient program's output shardings (the state's, the `StepGradients`'), which the update
+  program is traced against. Compiled executables are kept per argument signature (tree
+  structure, shapes and dtypes), as `jax.jit` keeps its own."""
 
-  def __init__(self, gradients, update, gradients_shardings):
+  def __init__(self, gradients, update, out_shardings):
     self.gradients, self.update = gradients, update
-    self.gradients_shardings = gradients_shardings
+    self.out_shardings = out_shardings
     self._compiled: dict[tuple, CompiledPhases] = {}
 
   def trace(self, state, batch) -> TracedPhases:
     traced = self.gradients.trace(state, batch)
-    like = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh),
-                        traced.out_info, self.gradients_shardings)
-    return TracedPhases(traced, lambda: self.update.trace(state, like))
+    state_like, grads_like = jax.tree.map(
+        lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh),
+        traced.out_info, self.out_shardings)
+    return TracedPhases(traced, lambda: self.update.trace(state_like, grads_like))
 
   def lower(self, state, batch, **kwargs) -> LoweredPhases:
     return self.trace(state, batch).lower(**kwargs)
@@ -144,4 +159,4 @@ class PhasedStep:
     return compiled(state, batch)
 
 
-__all__ = ["CompiledPhases", "LoweredPhases", "PhasedStep", "TracedPhases"]
+__all__ = ["CompiledPhases", "LoweredPhases", "PhasedStep", "TracedPhases", "passing_state"]

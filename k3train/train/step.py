@@ -443,6 +443,13 @@ class StepPhases:
   def __call__(self, state: TrainState, batch: dict):
     return self.update(state, self.gradients(state, batch))
 
+  @property
+  def whole(self) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """The whole step as a plain function (`layout.jit_step` jits it as one program)."""
+    def train_step(state: TrainState, batch: dict):
+      return self(state, batch)
+    return train_step
+
   def with_update(self, wrap: Callable) -> "StepPhases":
     """The same phases with the update phase replaced by `wrap(update)`."""
     return StepPhases(self.gradients, wrap(self.update))

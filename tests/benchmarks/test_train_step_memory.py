@@ -80,12 +80,13 @@ def test_plan_and_xla_agree(output):
   # Two independent counts of the train state: the plan sums parameter / variable / optimizer
   # leaves from the abstract state and the rule table; XLA's aliased bytes are the donated state
   # buffers of the update program (the state plus a few scalars: step, loss EMA, skip count).
-  # The gradient program takes the same state undonated, and the batch, and returns gradients.
+  # The gradient program takes the same state donated and hands it on (aliased), with gradients.
   state = planned["parameters"] + planned["model_variables"] + planned["optimizer_state"]
   gradients, update = xla["programs"]["gradients"], xla["programs"]["update"]
   assert update["aliased"] == pytest.approx(state, rel=0.02), (xla, planned)
-  assert gradients["aliased"] == 0 and gradients["arguments"] > state * 0.999, xla
-  assert gradients["outputs"] >= planned["gradients"] * 0.999, (xla, planned)
+  assert gradients["aliased"] == pytest.approx(state, rel=0.02), (xla, planned)
+  assert gradients["arguments"] > state * 0.999, xla
+  assert gradients["outputs"] - gradients["aliased"] >= planned["gradients"] * 0.999, (xla, planned)
   # The row is the program with the larger total: the gradient program (activations).
   assert xla["total"] == gradients["total"] > update["total"], xla
   # Totals: the plan models GPU fusion (elementwise intermediates fused away), XLA:CPU keeps more
