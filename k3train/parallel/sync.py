@@ -41,7 +41,8 @@ def wait_for_every_process(what: str, timeout_s: float = BARRIER_TIMEOUT_S) -> N
   _client().wait_at_barrier(f"k3train/{next(_barrier_ids)}/{what}", int(timeout_s * 1000))
 
 
-def _signature(args: tuple) -> tuple:
+def argument_signature(args: tuple) -> tuple:
+  """Tree structure, shapes and dtypes of `args`: what a compiled executable is specific to."""
   leaves, treedef = jax.tree.flatten(args)
   return treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
                         for x in leaves)
@@ -64,7 +65,7 @@ class CompiledTogether:
   def __call__(self, *args):
     if jax.process_count() == 1:
       return self.jitted(*args)
-    key = _signature(args)
+    key = argument_signature(args)
     compiled = self._compiled.get(key)
     if compiled is None:
       compiled = self.jitted.lower(*args).compile()
@@ -73,4 +74,4 @@ class CompiledTogether:
     return compiled(*args)
 
 
-__all__ = ["BARRIER_TIMEOUT_S", "CompiledTogether", "wait_for_every_process"]
+__all__ = ["BARRIER_TIMEOUT_S", "CompiledTogether", "argument_signature", "wait_for_every_process"]
