@@ -787,12 +787,12 @@ def xla_memory(compiled) -> dict | None:
   are both an argument and an output, counted once). The train step's two programs
   (k3train/train/phased.py) run one after the other: the row is the larger one's, with each
   program's own analysis under "programs" ("gradients", "update")."""
+  from k3train.train.phased import CompiledPhases
   try:
     m = compiled.memory_analysis()
   except Exception:                                          # noqa: BLE001
     return None
-  phases = getattr(compiled, "seconds", None) is not None    # a CompiledPhases
-  if phases:
+  if isinstance(compiled, CompiledPhases):
     if any(x is None for x in m):
       return None
     grads, update = _memory_totals(m[0]), _memory_totals(m[1])
@@ -965,6 +965,7 @@ def compile_step(run, batch, fv, name: str):
   (arrays or ShapeDtypeStructs with shardings); "<name>: compiled in …" goes to stderr at once,
   so a run stopped later still says how long it compiled."""
   import jax
+  from k3train.train.phased import CompiledPhases
   events_before = _jax_event_seconds()
   compile_trace = tempfile.mkdtemp(prefix="k3_compile_trace_") if fv.compile_profile else ""
   if compile_trace:
@@ -991,7 +992,7 @@ def compile_step(run, batch, fv, name: str):
   compile_row = {"trace_lower_s": round(t1 - t0, 1), "backend_compile_s": round(t2 - t1, 1),
                  **({"backend_compile_programs_s": {k: round(v, 1) for k, v in compiled.seconds.items()
                                                     if k != "wall"}}
-                    if getattr(compiled, "seconds", None) else {}),
+                    if isinstance(compiled, CompiledPhases) else {}),
                  "jax_compile_events_s": {
                      k.rsplit("/", 1)[-1]: round(v - events_before.get(k, 0.0), 1)
                      for k, v in _jax_event_seconds().items() if k.startswith("/jax/core/compile/")},

@@ -367,3 +367,46 @@ def test_collectives_are_counted_by_kind_async_pairs_once():
   assert _script().collectives_by_kind(excerpt) == {
       "all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "ragged-all-to-all": 1,
       "all-to-all": 1}
+
+
+def test_two_programs_are_read_apart():
+  """The train step's two programs (k3train/train/phased.py) print as two HLO modules whose
+  instruction names repeat: counts add up per module, and op names are qualified by module so
+  that a profiled op is classified by its own program's metadata."""
+  bench = _script()
+
+  def sharded_step_gradients(x):
+    with jax.named_scope("kda"):
+      return jnp.tanh(x) * 2.0, jnp.sum(x * x)
+
+  def sharded_step_update(x):
+    with jax.named_scope("optimizer"):
+      return jnp.tanh(x) * 2.0, jnp.sum(x * x)
+
+  x = jnp.ones((64, 64), jnp.float32)
+  texts = [jax.jit(f).lower(x).compile().as_text() for f in (sharded_step_gradients,
+                                                               sharded_step_update)]
+  both = "\n".join(texts)
+  modules = bench.hlo_modules(both)
+  assert list(modules) == ["jit_sharded_step_gradients", "jit_sharded_step_update"]
+  assert [t.strip() for t in modules.values()] == [t.strip() for t in texts]
+  assert bench.hlo_modules(texts[0]) == {"jit_sharded_step_gradients": texts[0]}
+
+  each = [bench.kernels_by_part(t) for t in texts]
+  assert each[0].get("kda", 0) > 0 and each[1].get("optimizer", 0) > 0
+  summed = bench.summed_over_modules(bench.kernels_by_part, both)
+  assert summed == {k: each[0].get(k, 0) + each[1].get(k, 0) for k in {**each[0], **each[1]}}
+
+  where = bench.qualified(bench.op_locations, both)
+  plain = [bench.op_locations(t) for t in texts]
+  assert len(where) == len(plain[0]) + len(plain[1])
+  shared = sorted(set(plain[0]) & set(plain[1]))   # names both modules use
+  assert shared, "the two programs should repeat instruction names"
+  name = bench.traced_op_name(list(modules), where)
+  op = next(o for o in shared if "kda" in plain[0][o] and "optimizer" in plain[1][o])
+  assert bench.classify(where[name(f"jit_sharded_step_update::{op}")]) == "optimizer"
+  assert bench.classify(where[name(f"jit_sharded_step_gradients::{op}")]) == "kda"
+  assert name(op) == op                       # no module stat and in both: left as traced
+  only = next(iter(set(plain[1]) - set(plain[0])), None)
+  if only is not None:                        # in one module only: found without the stat
+    assert name(only) == f"jit_sharded_step_update::{only}"
