@@ -32,7 +32,8 @@ class ConfigError(ValueError):
 
 
 # "none", "full", or the name of a jax.checkpoint_policies policy.
-REMAT_POLICIES = ("none", "full", "selective", "dots_saveable", "dots_with_no_batch_dims_saveable")
+REMAT_POLICIES = ("none", "full", "selective", "selective_kda", "dots_saveable",
+                  "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")

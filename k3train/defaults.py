@@ -26,7 +26,7 @@ def k3_full() -> ml_collections.ConfigDict:
   m.dtype = "bfloat16"            # activation / matmul dtype (fp32 accumulation)
   m.param_dtype = "float32"
   m.scan_layers = True
-  m.remat_policy = "full"         # none | full | selective | dots_saveable | dots_with_no_batch_dims_saveable (model/remat.py)
+  m.remat_policy = "full"         # none | full | selective | selective_kda | dots_saveable | dots_with_no_batch_dims_saveable (model/remat.py)
 
   k = m.kda = ml_collections.ConfigDict()
   k.num_heads = 96

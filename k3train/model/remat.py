@@ -28,6 +28,13 @@
                                needs no forward pass over the sources.
              Everything else (norms, gates, the AttnRes mix outputs, the KDA kernel's forward)
              is recomputed as under `full`. `k3train/tools/plan` plans the kept bytes per layer.
+  selective_kda
+             as `selective`, plus every output of the KDA Pallas kernels that the backward or the
+             layer reads (`kda_residuals`, named by pallas_kernels/kda/vjp.py: the output, the
+             chunk states and Δ, A_qk, W, U, the gated q and k, A_kk and its inverse, the chunk
+             decays; 2,568 bytes per token and head at K = V = 128 in bf16, ten times the
+             output's): the KDA forward kernels do not run again in the backward (only the
+             in-chunk cumsum does). On the XLA KDA backend it keeps what `selective` keeps.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.attention import vjp as attention_vjp
 from pallas_kernels.attnres import vjp as attnres_vjp
+from pallas_kernels.kda import vjp as kda_vjp
 
 ROUTING = "moe_routing"
 EXPERT_MLP = "moe_expert_mlp"
@@ -44,6 +52,9 @@ KDA_CONV = "kda_conv"
 ATTENTION = attention_vjp.RESIDUAL_NAME
 ATTNRES_STATS = attnres_vjp.STATS_NAME
 SELECTIVE_NAMES = (ROUTING, EXPERT_MLP, KDA_CONV, ATTENTION, ATTNRES_STATS)
+KDA_RESIDUALS = kda_vjp.RESIDUAL_NAME
+# Named values kept by each policy of the selective family.
+KEPT_NAMES = {"selective": SELECTIVE_NAMES, "selective_kda": SELECTIVE_NAMES + (KDA_RESIDUALS,)}
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:
@@ -55,10 +66,10 @@ def policy(name: str):
   """The `jax.checkpoint` policy of a `model.remat_policy` other than "none" ("full": None)."""
   if name == "full":
     return None
-  if name == "selective":
+  if name in KEPT_NAMES:
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*SELECTIVE_NAMES))
+        jax.checkpoint_policies.save_only_these_names(*KEPT_NAMES[name]))
   if name in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
     return getattr(jax.checkpoint_policies, name)
   raise ValueError(f"model.remat_policy: no jax.checkpoint policy for {name!r}")

@@ -22,10 +22,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.kda import intra as intra_lib
 
 F32 = jnp.float32
+
+# The name the training forward gives every kernel output that the backward pass or the layer
+# after it reads (the intra-chunk A_qk, W, U, gated Q and K, A_kk and its inverse, the chunk
+# decays, the output, the per-chunk entering states and Δ), so that a remat policy can keep them
+# all instead of running the forward kernels again in the backward pass. They are named where
+# they are made: a value the state pass reads before it is named would be recomputed to rerun
+# that pass. The in-chunk cumsum Γ stays unnamed (recomputed: one cheap kernel from g). jax
+# leaves every pallas_call of the recomputation in the backward's jaxpr (its dead-code rule
+# keeps them); XLA drops those whose outputs go unused.
+RESIDUAL_NAME = "kda_residuals"
 
 
 def _launchers(platform: str):
@@ -40,12 +51,17 @@ def _launchers(platform: str):
 
 def _forward(q, k, v, g, beta, s0, cnt, *, scale, chunk, platform, interpret, save):
   mod = _launchers(platform)
+  name = (lambda x: checkpoint_name(x, RESIDUAL_NAME)) if save else (lambda x: x)
   gam = mod.chunk_cumsum(g, chunk, interpret=interpret)
-  d = intra_lib.state_decay(gam, cnt, chunk)
-  aqk, w, u, qg, kt, akk, inv = mod.intra(q, k, v, gam, beta.astype(F32), cnt, scale=scale,
-                                          chunk=chunk, interpret=interpret, save=save)
+  d = name(intra_lib.state_decay(gam, cnt, chunk))
+  inter = mod.intra(q, k, v, gam, beta.astype(F32), cnt, scale=scale, chunk=chunk,
+                    interpret=interpret, save=save)
+  aqk, w, u, qg, kt, akk, inv = (x if x is None else name(x) for x in inter)
   outs = mod.state_fwd(qg, kt, w, u, aqk, d, s0.astype(F32), chunk=chunk, save=save,
                        interpret=interpret)
+  if save:
+    o, sf, hs, delta = outs
+    outs = (name(o), sf, name(hs), name(delta))
   return outs, (aqk, w, u, qg, kt, akk, inv, gam, d)
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import kda, pallas_gpu
+from pallas_kernels.kda import kda, pallas_gpu, vjp
 from pallas_kernels.kda import intra as intra_lib
 from tests.pallas_kernels.test_kda import make_inputs, max_err
 
@@ -257,3 +257,38 @@ def test_cumsum_kernel_matches_xla_cumsum():
   got = pallas_gpu.chunk_cumsum(g, 64, interpret=True)
   assert float(jnp.min(want)) < -150.0
   assert max_err(got, want) <= 1e-5 * float(jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_remat_selective_kda_keeps_the_kernel_residuals(platform):
+  """Under remat `selective_kda` the chunk kernels' outputs are saved by name and XLA's backward
+  runs none of the forward kernels again (fewer kernel loops than under `selective`, where the
+  forward reruns), with the gradients of the un-rematerialised op (fp32, exact up to 1e-6)."""
+  from jax._src.ad_checkpoint import saved_residuals
+  from k3train.model import remat
+  B, T, H, K = 1, 128, 2, 32
+  keys = jax.random.split(jax.random.PRNGKey(3), 4)
+  q, k, v = (0.3 * jax.random.normal(key, (B, T, H, K)) for key in keys[:3])
+  g = -jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, H, K)))
+  beta = jax.nn.sigmoid(q[..., 0])
+  s0 = jnp.zeros((B, H, K, K))
+  cnt = intra_lib.reset_counts(jnp.zeros((B, T), bool), 64)
+
+  def loss(q, k, v, g, beta):
+    o, _ = vjp.kda_pallas(jnp.sin(q), k, v, g, beta, s0, cnt, 0.1, 64, platform, True)
+    return jnp.sum(o * o)            # the backward needs o, as a layer's output norm does
+
+  args = (q, k, v, g, beta)
+  want = jax.grad(loss, argnums=range(5))(*args)
+  loops = {}
+  for name in ("selective", "selective_kda"):
+    fn = jax.checkpoint(loss, policy=remat.policy(name))
+    named = [r for r in saved_residuals(fn, *args) if vjp.RESIDUAL_NAME in r[1]]
+    # o, A_qk, W, U, gated q and k, A_kk, its inverse, the decays, the states and Δ: 11 values.
+    assert len(named) == (11 if name == "selective_kda" else 0), (name, named)
+    y, backward = jax.vjp(fn, *args)
+    got = backward(jnp.ones_like(y))
+    for w, gv in zip(want, got):
+      np.testing.assert_allclose(gv, w, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(w))))
+    loops[name] = jax.jit(backward).lower(jnp.ones_like(y)).compile().as_text().count(" while(")
+  assert loops["selective_kda"] < loops["selective"], loops

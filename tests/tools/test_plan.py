@@ -199,10 +199,19 @@ def test_activation_model_invariants(tiny):
   cfg, state = tiny
   kw = dict(rules_name="full", seq_len=128, batch_per_device=2, device_memory_gib=1.0)
   plans = {r: plan.make_plan(cfg, state, SMALL_MESH, remat=r, **kw)
-           for r in ("none", "selective", "dots_saveable", "full")}
+           for r in ("none", "selective_kda", "selective", "dots_saveable", "full")}
   saved = {r: dict((l.strip(), b) for l, b, _ in p.lines)["saved activations"]
            for r, p in plans.items()}
-  assert saved["none"] > saved["selective"] > saved["dots_saveable"] > saved["full"] > 0
+  assert saved["none"] > saved["selective_kda"] > saved["selective"] > saved["dots_saveable"] \
+      > saved["full"] > 0
+  # selective_kda keeps, besides selective's, the KDA chunk kernels' residuals and output of
+  # every KDA layer (tiny: K = V, the activation dtype A, fp32 A_kk and chunk decays).
+  m = cfg.model
+  K, C, A = m.kda.head_dim, m.kda.chunk_size, np.dtype(m.dtype).itemsize
+  kda_layers = sum(mixer == "kda" for mixer, _ in config_lib.layer_schedule(m).kinds)
+  n, h = plans["full"].dims.n, plans["full"].dims.kda_heads
+  per_layer = n * h * (K * K * A // C + 2 * K * A + C * (2 * A + 4) + 4 * K * A + K * 4 // C)
+  assert saved["selective_kda"] - saved["selective"] == kda_layers * per_layer
   p = plans["full"]
   d = p.dims
   assert d.n == 2 * 128 and d.batch_shards == 4 and d.global_batch == 8   # fsdp·expert = 4

@@ -15,8 +15,9 @@ grouped matmuls, is not a dot_general and is recomputed). Assumptions, piece by 
                               backward (2 · N_max · d · 4 bytes per token) are transient
   RMSNorm (×2)                fp32 input + low-precision output
   KDA                         q/k/v/g/f/b projections, conv and SiLU outputs, fp32 L2-normed
-                              q/k, gates, chunk states [H, K, V] fp32 per 64-token chunk,
-                              W/U per token, fp32 output, norm and gate
+                              q/k, gates, the chunk kernels' residuals (entering states
+                              [H, K, V] per 64-token chunk, Δ, A_qk, A_kk and its inverse, W,
+                              U, gated q/k, chunk decays), output, fp32 norm and gate
   MLA                         latent and head projections, fp32 latent norms and gate; the
                               attention op (pallas_kernels/attention, as mla.py calls it)
                               takes q and k 192 wide per head (k^R broadcast to every head)
@@ -68,6 +69,7 @@ Remat policies (k3train/model/decoder.py: the scan body, one super-block of 4 la
                   latent, the KDA conv
                   outputs of q, k, v, the attention output with its fp32 log-sum-exp and the
                   AttnRes statistics.
+  selective_kda   as selective, plus the KDA chunk kernels' residuals and output.
   none            every layer's residuals.
 
 The MTP block is planned like one more unscanned layer under each policy: full recomputes its
@@ -174,26 +176,31 @@ def activation_dims(cfg, rules, mesh, seq_len: int, batch_per_device: int) -> Di
 class Cost:
   """Bytes of one layer (or piece): residuals saved for backward, the dot-output part of them,
   the part of the non-dot residuals the `selective` policy keeps by name (`kept`, included in
-  `saved`), and the transient peak of its buffers in forward / backward."""
+  `saved`), the part `selective_kda` keeps besides (`kda`, the KDA kernels' residuals), and the
+  transient peak of its buffers in forward / backward."""
   saved: int = 0
   dots: int = 0
   transient: int = 0
   terms: dict = dataclasses.field(default_factory=dict)
   kept: int = 0
+  kda: int = 0
 
   def add(self, name: str, saved: int = 0, dots: int = 0, transient: int = 0,
-          kept: int = 0) -> "Cost":
-    """kept: bytes of `saved` that the selective policy keeps (at most saved)."""
+          kept: int = 0, kda: int = 0) -> "Cost":
+    """kept, kda: bytes of `saved` that the selective policy, and selective_kda besides it,
+    keep (each at most saved)."""
     self.saved += saved + dots
     self.dots += dots
     self.kept += min(kept, saved)
+    self.kda += min(kda, saved)
     self.transient = max(self.transient, transient)
     self.terms[name] = self.terms.get(name, 0) + saved + dots + transient
     return self
 
   def __add__(self, other: "Cost") -> "Cost":
     out = Cost(self.saved + other.saved, self.dots + other.dots,
-               max(self.transient, other.transient), dict(self.terms), self.kept + other.kept)
+               max(self.transient, other.transient), dict(self.terms), self.kept + other.kept,
+               self.kda + other.kda)
     for k, v in other.terms.items():
       out.terms[k] = out.terms.get(k, 0) + v
     return out
@@ -231,11 +238,16 @@ def layer_costs(cfg, dims: Dims, attention: str, expert_capacity: float | None =
   c.add("kda: projections q,k,v,g,f,b,o", dots=n * (5 * h * K * A + K * A + h * A + d * A))
   c.add("kda: conv + silu outputs, fp32 l2-normed q/k, gates",
         saved=n * h * K * (6 * A + 4 * F) + n * h * F, kept=3 * n * h * K * A)
-  c.add("kda: chunk states [H,K,V] fp32 per chunk + W/U",
-        saved=n * h * K * V * F // k.chunk_size + n * h * (K + V) * F,
-        transient=n * h * k.chunk_size * F * 2
+  C = k.chunk_size
+  # The chunk kernels' residuals (pallas_kernels/kda/vjp.py) in the activation dtype but A_kk
+  # (fp32): entering states [K, V] per chunk, Δ, A_qk and its A_kk and inverse [C] per token,
+  # W, U, gated q and k, and the chunk decays [K] fp32 per chunk.
+  kernel = n * h * (K * V * A // C + V * A + C * (2 * A + F) + (3 * K + V) * A + K * F // C)
+  c.add("kda: chunk kernels' residuals (states per chunk, Δ, A_qk, A_kk, W, U, gated q/k)",
+        saved=kernel, kda=kernel,
+        transient=n * h * C * F * 2
         + (2 * dims.seq_shards * dims.b * h * K * (K + V) * F if dims.seq_shards > 1 else 0))
-  c.add("kda: fp32 output, norm, gate", saved=n * h * V * (3 * F + A))
+  c.add("kda: output, fp32 norm, gate", saved=n * h * V * (3 * F + A), kda=n * h * V * A)
   out["kda"] = c
 
   a = m.mla
@@ -426,9 +438,11 @@ def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: st
     working_note = ("one super-block's residuals + buffers"
                     if mtp_working <= max(period.saved, unscanned_max)
                     else "the MTP block's residuals + buffers")
-  else:   # dots_saveable, dots_with_no_batch_dims_saveable (planned alike); selective
-    keeps = (lambda c: c.dots + c.kept) if remat == "selective" else (lambda c: c.dots)
-    what = "dot outputs + named values" if remat == "selective" else "dot outputs"
+  else:   # dots_saveable, dots_with_no_batch_dims_saveable (planned alike); selective(_kda)
+    selective = remat in ("selective", "selective_kda")
+    keeps = {"selective": lambda c: c.dots + c.kept,
+             "selective_kda": lambda c: c.dots + c.kept + c.kda}.get(remat, lambda c: c.dots)
+    what = "dot outputs + named values" if selective else "dot outputs"
     mtp_saved += keeps(mtp_block)
     mtp_working = mtp_block.saved - keeps(mtp_block)
     unscanned_max = max((layer_cost(costs, kind).saved - keeps(layer_cost(costs, kind))
@@ -437,7 +451,7 @@ def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: st
     working = max(period.saved - keeps(period), unscanned_max, mtp_working) + transient + grad_carry
     saved_note = (f"{nsb} × (carry + {what} {keeps(period) / GiB:.2f} GiB) + "
                   f"{len(unscanned)} unscanned layers + head")
-    rest = "unkept" if remat == "selective" else "non-dot"
+    rest = "unkept" if selective else "non-dot"
     working_note = (f"{rest} residuals of one super-block + buffers"
                     if mtp_working <= max(period.saved - keeps(period), unscanned_max)
                     else f"{rest} residuals of the MTP block + buffers")
