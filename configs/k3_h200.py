@@ -16,7 +16,11 @@ def get_config():
   m.mla_layers = (4, 8, 12, 16, 20, 21)
   m.dense_ffn_hidden = 8192
   m.dtype = "bfloat16"
-  m.remat_policy = "selective"           # keeps projections, routing, expert GEMM and kernel outputs
+  # Keeps projections, routing, expert GEMM and attention kernel outputs. "selective_kda" also
+  # keeps the KDA kernels' residuals (no KDA forward rerun in the backward): −2.0 % per update on
+  # a 9-layer slice on an H100, but ~9 GiB more here, past the rematerialisation limit of XLA's
+  # H200 target when compiled on a CPU; not measured on an H200 (benchmarks/train_step.md).
+  m.remat_policy = "selective"
   # Unrolled, not scanned: at 21 layers the scan's stacked residuals (each saved GEMM or kernel
   # output copied into its [iterations, …] buffer) and its in-place gradient-accumulator updates
   # cost ~5 % of the step on one H200 (6.06 → 5.75 s per update), more than its compile saves
