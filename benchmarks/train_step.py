@@ -57,7 +57,8 @@ Compile time is also split: `trace_lower_s` (tracing to a jaxpr and lowering to 
 `backend_compile_s` (XLA), and `jax_compile_events_s` (jax's own duration events: jaxpr trace,
 MLIR lowering, backend compile). `kernels` counts the fusions and custom calls the compiled
 step launches, `kernels_by_part` the same by part, and `kernels_distinct` those XLA generates
-code for (it emits identical fusions once). `work_by_part` is what those kernels execute per
+code for (it emits identical fusions once); `xla_rematerialized` the instructions XLA's own
+rematerialisation added to fit its memory limit (0 unless the step was over it). `work_by_part` is what those kernels execute per
 step (benchmarks/hlo_costs.py, from the compiled HLO alone, loops counted by their trip counts):
 `gemm_tflop`, the GiB read and written by XLA's fusions (`fusion_gib`) and by the hand-written
 kernels (`kernel_gib`), and `launches`. With a profile, `rates_by_part` divides it by the device
@@ -587,6 +588,14 @@ def collectives_by_kind(hlo_text: str) -> dict[str, int]:
   return dict(collections.Counter(found).most_common())
 
 
+def xla_rematerialized(hlo_text: str) -> int:
+  """How many instructions of the compiled module XLA's own rematerialisation pass made: the
+  copies it recomputes to bring the program under its memory limit, named after the original
+  with ".remat", ".remat2", … (later passes may add suffixes). Non-zero means the compiled step
+  does work the model's remat policy did not ask for, and its compile held that pass's search."""
+  return len(re.findall(r"^\s*(?:ROOT\s+)?%[\w.\-]*?\.remat\d*(?:\.[\w\-]+)*\s+=", hlo_text, re.M))
+
+
 def distinct_kernels(hlo_text: str) -> int:
   """How many of the compiled module's kernels (`_record.kernel_lines`) differ: XLA emits the code
   of identical fusions once and marks the repeats with `deduplicated_name`, so this is the
@@ -1001,6 +1010,7 @@ def compile_step(run, batch, fv, name: str):
                  "collectives": summed_over_modules(collectives_by_kind, hlo_text)}
   compile_row["kernels"] = sum(compile_row["kernels_by_part"].values())
   compile_row["kernels_distinct"] = summed_over_modules(distinct_kernels, hlo_text)
+  compile_row["xla_rematerialized"] = summed_over_modules(xla_rematerialized, hlo_text)
   compile_row["work_by_part"] = summed_over_modules(work_by_part, hlo_text)
   if compile_trace:
     compile_row["compile_events"] = compile_events(compile_trace)
@@ -1009,6 +1019,10 @@ def compile_step(run, batch, fv, name: str):
   print(f"{name}: compiled in {compile_s:.1f} s (trace + lower {compile_row['trace_lower_s']} s, "
         f"XLA {compile_row['backend_compile_s']} s), {compile_row['kernels']} kernels",
         file=sys.stderr, flush=True)
+  if compile_row["xla_rematerialized"]:
+    print(f"{name}: XLA rematerialised {compile_row['xla_rematerialized']} instructions to fit its "
+          "memory limit: the step recomputes work the remat policy did not ask for",
+          file=sys.stderr, flush=True)
   return lowered, compiled, hlo_text, compile_s, compile_row
 
 

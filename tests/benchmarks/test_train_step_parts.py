@@ -410,3 +410,17 @@ def test_two_programs_are_read_apart():
   only = next(iter(set(plain[1]) - set(plain[0])), None)
   if only is not None:                        # in one module only: found without the stat
     assert name(only) == f"jit_sharded_step_update::{only}"
+
+
+def test_xla_rematerialized_counts_the_copies_xlas_remat_pass_made():
+  """XLA's rematerialisation names each copy after the original with ".remat", ".remat2", …
+  (later passes may add a suffix); jax's own remat shows only in metadata and is not counted."""
+  excerpt = "\n".join([
+      '  %fusion.1 = f32[8]{0} fusion(%p), kind=kLoop, calls=%f, metadata={op_name="jit(f)/checkpoint/remat/mul"}',
+      "  %input_reduce_fusion.3.remat = f32[8]{0} fusion(%p), kind=kInput, calls=%g",
+      "  %gte.remat.2 = f32[8]{0} get-tuple-element(%t), index=0",
+      "  ROOT %loop_dynamic_slice_fusion.remat2 = f32[8]{0} fusion(%q), kind=kLoop, calls=%h",
+      "  %rematerialized_by_hand = f32[8]{0} add(%a, %b)",
+      "  %y = f32[8]{0} add(%gte.remat.2, %input_reduce_fusion.3.remat)"])
+  assert _script().xla_rematerialized(excerpt) == 3
+  assert _script().xla_rematerialized(excerpt.replace(".remat", ".copy")) == 0
