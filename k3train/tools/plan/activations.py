@@ -88,6 +88,7 @@ from typing import Mapping
 import numpy as np
 
 from k3train import config as config_lib
+from k3train.model import remat as remat_lib
 from k3train.parallel import axes as ax
 from k3train.parallel import rules as rules_lib
 from k3train.train import head_loss
@@ -439,7 +440,7 @@ def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: st
                     if mtp_working <= max(period.saved, unscanned_max)
                     else "the MTP block's residuals + buffers")
   else:   # dots_saveable, dots_with_no_batch_dims_saveable (planned alike); selective(_kda)
-    selective = remat in ("selective", "selective_kda")
+    selective = remat in remat_lib.KEPT_NAMES
     keeps = {"selective": lambda c: c.dots + c.kept,
              "selective_kda": lambda c: c.dots + c.kept + c.kda}.get(remat, lambda c: c.dots)
     what = "dot outputs + named values" if selective else "dot outputs"
