@@ -440,9 +440,10 @@ def estimate(cfg, rules, mesh, *, seq_len: int, batch_per_device: int, remat: st
                     if mtp_working <= max(period.saved, unscanned_max)
                     else "the MTP block's residuals + buffers")
   else:   # dots_saveable, dots_with_no_batch_dims_saveable (planned alike); selective(_kda)
-    selective = remat in remat_lib.KEPT_NAMES
-    keeps = {"selective": lambda c: c.dots + c.kept,
-             "selective_kda": lambda c: c.dots + c.kept + c.kda}.get(remat, lambda c: c.dots)
+    names = remat_lib.KEPT_NAMES.get(remat, ())      # the values the policy keeps by name
+    selective = bool(names)
+    keeps_kda = remat_lib.KDA_RESIDUALS in names
+    keeps = lambda c: c.dots + (c.kept if selective else 0) + (c.kda if keeps_kda else 0)
     what = "dot outputs + named values" if selective else "dot outputs"
     mtp_saved += keeps(mtp_block)
     mtp_working = mtp_block.saved - keeps(mtp_block)
