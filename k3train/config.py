@@ -20,6 +20,7 @@ from k3train import defaults
 from pallas_kernels import attention as attention_op
 from pallas_kernels import attnres as attnres_op
 from pallas_kernels import kda as kda_op
+from pallas_kernels import logsumexp as logsumexp_op
 from pallas_kernels import moe as moe_ops
 from pallas_kernels import qb as qb_op
 from pallas_kernels import short_conv as short_conv_op
@@ -48,6 +49,7 @@ ATTENTION_BACKENDS = attention_op.BACKENDS
 ATTNRES_BACKENDS = attnres_op.BACKENDS
 QB_BACKENDS = qb_op.BACKENDS
 SITU_GLU_BACKENDS = situ_glu_op.BACKENDS
+HEAD_LSE_BACKENDS = logsumexp_op.BACKENDS
 MOE_GATHERS = moe_ops.GATHERS
 QAT_GEMMS = ("auto", "fake_quant", "mx")     # model.quant.gemm (k3train/model/moe.py)
 # `data` keys that may change between curriculum stages (and so between a checkpoint and the run
@@ -157,6 +159,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _require(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}, got {m.param_dtype!r}")
   _require(m.remat_policy in REMAT_POLICIES, "model.remat_policy",
            f"must be one of {REMAT_POLICIES}, got {m.remat_policy!r}")
+  _require(m.head_lse_backend in HEAD_LSE_BACKENDS, "model.head_lse_backend",
+           f"must be one of {HEAD_LSE_BACKENDS}, got {m.head_lse_backend!r}")
   _require(m.norm_eps > 0, "model.norm_eps", "must be > 0")
 
   layers = tuple(m.mla_layers)

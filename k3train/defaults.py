@@ -27,6 +27,10 @@ def k3_full() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"
   m.scan_layers = True
   m.remat_policy = "full"         # none | full | selective | selective_kda | dots_saveable | dots_with_no_batch_dims_saveable (model/remat.py)
+  # The fused head loss's log-normaliser and target logit per row (train.loss_chunk_tokens > 0),
+  # pallas_kernels.logsumexp: xla (two reads of each chunk's logits) | pallas_gpu (one) | auto
+  # (the kernel on one GPU, benchmarks/logsumexp.md).
+  m.head_lse_backend = "xla"
 
   k = m.kda = ml_collections.ConfigDict()
   k.num_heads = 96

@@ -115,6 +115,8 @@ class K3Model(nnx.Module):
     self.final_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.lm_head = layers.Linear((m.d_model,), (m.vocab_size,), (ax.EMBED, ax.VOCAB), std=m.init_std,
                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    # Who computes the fused head loss's per-row log-normaliser (k3train/train/head_loss.py).
+    self.head_lse_backend = m.get("head_lse_backend", "xla")
     # The vision tower is created last, so the text parameters initialise the same with or without it.
     w = m.get("vision")
     self.placeholder_id = w.placeholder_id if w is not None and w.enabled else None

@@ -72,7 +72,8 @@ def make_eval_step(run, edges, loss_chunk_tokens: int = 0):
         head = model.lm_head
         nll, argmax_bt = head_loss.chunked_token_stats(
             model.final_norm(h_btd), head.kernel[...], batch["targets"],
-            chunk_tokens=loss_chunk_tokens, dtype=head.dtype)
+            chunk_tokens=loss_chunk_tokens, dtype=head.dtype,
+            lse_backend=getattr(model, "head_lse_backend", "xla"))
       else:
         logits = model(batch["tokens"], batch["segment_ids"], token_mask).astype(jnp.float32)
     if loss_chunk_tokens <= 0:

@@ -30,41 +30,48 @@ import jax.numpy as jnp
 
 from k3train.parallel import axes as ax
 from k3train.parallel.rules import constrain
+from pallas_kernels import logsumexp as logsumexp_op
 
 CONFIG_KEY = "train.loss_chunk_tokens"
 
 
 def fused_head_cross_entropy(x_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array,
-                             mask_bt: jax.Array, *, chunk_tokens: int, dtype) -> tuple[jax.Array, jax.Array]:
+                             mask_bt: jax.Array, *, chunk_tokens: int, dtype,
+                             lse_backend: str = "xla") -> tuple[jax.Array, jax.Array]:
   """(mean cross-entropy of softmax(x · W) over mask, number of counted tokens), both fp32.
 
   x [B, T, d] (normalised final hidden states), W [d, V] (the head kernel), targets [B, T] int,
   mask [B, T]; the logits are computed in `dtype` with fp32 accumulation, `chunk_tokens`
   positions of every row at a time. Gradients flow to x and W only; the count has none.
+  lse_backend: who computes each row's log-normaliser and target logit
+  (pallas_kernels.logsumexp: "xla", "pallas_gpu" or "auto"; `model.head_lse_backend`).
   """
   _check_inputs(x_btd, w_dv, targets_bt, chunk_tokens, mask_bt)
+  logsumexp_op.resolve_backend(lse_backend)          # a bad name fails here, not in the loop
   mask_bt = mask_bt.astype(jnp.float32)
-  loss = _fused_ce(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, jnp.dtype(dtype))
+  loss = _fused_ce(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, jnp.dtype(dtype), lse_backend)
   return loss, jnp.sum(mask_bt)
 
 
 def chunked_token_stats(x_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, *,
-                        chunk_tokens: int, dtype) -> tuple[jax.Array, jax.Array]:
+                        chunk_tokens: int, dtype, lse_backend: str = "xla") -> tuple[jax.Array, jax.Array]:
   """(per-position cross-entropy nll [B, T] fp32, argmax of the logits [B, T] int32), no gradient.
 
   The logits of softmax(x · W) are computed as in `fused_head_cross_entropy` (`dtype` GEMM, fp32
   accumulation, the same strided chunks of `chunk_tokens` positions in one `lax.scan`), so no
   [B, T, V] array exists. The argmax is `jnp.argmax` over V of each chunk's fp32 logits: ties go
-  to the lowest vocabulary index, as for the full logits.
+  to the lowest vocabulary index, as for the full logits. lse_backend: as for
+  `fused_head_cross_entropy`.
   """
   _check_inputs(x_btd, w_dv, targets_bt, chunk_tokens)
+  logsumexp_op.resolve_backend(lse_backend)
   dtype = jnp.dtype(dtype)
   w_dv = w_dv.astype(dtype)          # cast once, not in every chunk
 
   def body(_, xs):
     x_bcd, targets_bc = xs
     logits_bcv = _chunk_logits(x_bcd, w_dv, dtype)
-    nll_bc, _, _ = _chunk_ce(logits_bcv, targets_bc)
+    nll_bc, _, _ = _chunk_ce(logits_bcv, targets_bc, lse_backend)
     return None, (nll_bc, jnp.argmax(logits_bcv, axis=-1).astype(jnp.int32))
 
   chunks = (_to_chunks(x_btd, chunk_tokens), _to_chunks(targets_bt, chunk_tokens))
@@ -114,11 +121,10 @@ def _chunk_logits(x_bcd, w_dv, dtype):
   return constrain(logits, ax.BATCH, ax.SEQ, ax.VOCAB)
 
 
-def _chunk_ce(logits_bcv, targets_bc):
+def _chunk_ce(logits_bcv, targets_bc, lse_backend: str):
   """(per-token cross-entropy [B, c], log-normaliser [B, c], target one-hot [B, c, V]), fp32."""
-  logz_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
+  logz_bc, target_bc = logsumexp_op.logsumexp_and_pick(logits_bcv, targets_bc, backend=lse_backend)
   onehot_bcv = jax.lax.broadcasted_iota(jnp.int32, logits_bcv.shape, 2) == targets_bc[..., None]
-  target_bc = jnp.sum(jnp.where(onehot_bcv, logits_bcv, 0.0), axis=-1)
   return logz_bc - target_bc, logz_bc, onehot_bcv
 
 
@@ -143,8 +149,8 @@ def _inverse_count(mask_bt):
   return 1.0 / jnp.maximum(jnp.sum(mask_bt), 1.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_ce(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused_ce(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, dtype, lse_backend):
   """Mean masked cross-entropy, loss only (the primal: no gradient work)."""
   chunks = (_to_chunks(x_btd, chunk_tokens), _to_chunks(targets_bt, chunk_tokens),
             _to_chunks(mask_bt, chunk_tokens))
@@ -152,14 +158,14 @@ def _fused_ce(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, dtype):
 
   def body(total, xs):
     x_bcd, targets_bc, mask_bc = xs
-    ce_bc, _, _ = _chunk_ce(_chunk_logits(x_bcd, w_c, dtype), targets_bc)
+    ce_bc, _, _ = _chunk_ce(_chunk_logits(x_bcd, w_c, dtype), targets_bc, lse_backend)
     return total + jnp.sum(ce_bc * mask_bc), None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), chunks)
   return total * _inverse_count(mask_bt)
 
 
-def _fused_ce_fwd(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, dtype):
+def _fused_ce_fwd(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, dtype, lse_backend):
   """The loss plus dx and dW of the loss, from one pass over the chunks."""
   inv_n = _inverse_count(mask_bt)
   chunks = (_to_chunks(x_btd, chunk_tokens), _to_chunks(targets_bt, chunk_tokens),
@@ -171,7 +177,7 @@ def _fused_ce_fwd(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, dtype):
     total, dw_dv = carry
     x_bcd, targets_bc, mask_bc = xs
     logits_bcv = _chunk_logits(x_bcd, w_c, dtype)
-    ce_bc, logz_bc, onehot_bcv = _chunk_ce(logits_bcv, targets_bc)
+    ce_bc, logz_bc, onehot_bcv = _chunk_ce(logits_bcv, targets_bc, lse_backend)
     dx_bcd, dw_chunk = _chunk_grads(x_bcd, w_c, logits_bcv, logz_bc, onehot_bcv, mask_bc * inv_n,
                                     dtype, x_btd.dtype)
     return (total + jnp.sum(ce_bc * mask_bc), dw_dv + dw_chunk), dx_bcd
@@ -182,7 +188,7 @@ def _fused_ce_fwd(x_btd, w_dv, targets_bt, mask_bt, chunk_tokens, dtype):
   return total * inv_n, (_from_chunks(dx_nbcd), dw_dv, jnp.zeros((), w_dv.dtype))
 
 
-def _fused_ce_bwd(chunk_tokens, dtype, residuals, g):
+def _fused_ce_bwd(chunk_tokens, dtype, lse_backend, residuals, g):
   """Scale the forward's gradients by the loss cotangent; targets and mask get none."""
   dx_btd, dw_dv, w_like = residuals
   dx = (dx_btd.astype(jnp.float32) * g).astype(dx_btd.dtype)

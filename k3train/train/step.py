@@ -169,7 +169,8 @@ def head_loss(model, x_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array
     if loss_chunk_tokens > 0:
       head = model.lm_head
       return fused_head_cross_entropy(x_btd, head.kernel[...], targets_bt, mask_bt,
-                                      chunk_tokens=loss_chunk_tokens, dtype=head.dtype)
+                                      chunk_tokens=loss_chunk_tokens, dtype=head.dtype,
+                                      lse_backend=getattr(model, "head_lse_backend", "xla"))
     logits_btv = constrain(model.lm_head(x_btd), ax.BATCH, ax.SEQ, ax.VOCAB)
     return cross_entropy(logits_btv, targets_bt, mask_bt)
 
