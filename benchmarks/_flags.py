@@ -112,3 +112,16 @@ def _bool(text: str) -> bool:
 def _list(text: str) -> list[str]:
   """A comma-separated list, as absl's DEFINE_list reads it ("" is the empty list)."""
   return [item.strip() for item in text.split(",")] if text.strip() else []
+
+
+def kernel_settings(texts, settings_type) -> list[tuple[str, Any]]:
+  """[(text, settings_type(*fields))] for `--kernel_settings` entries such as "4:2048:8:3": the
+  colon-separated integer fields of a Pallas backend's launch Settings, in its field order."""
+  out = []
+  for text in texts:
+    try:
+      fields = [int(x) for x in text.split(":")]
+    except ValueError:
+      raise ValueError(f"--kernel_settings: {text!r} is not colon-separated integers") from None
+    out.append((text, settings_type(*fields)))
+  return out

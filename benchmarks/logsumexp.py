@@ -40,10 +40,8 @@ CHECKED_ROWS = 64
 def _paths(settings_texts):
   """name → (backend, launch settings or None)."""
   paths = {"xla": ("xla", None), "pallas_gpu": ("pallas_gpu", None)}
-  for text in settings_texts:
-    rows, block_v, warps, stages = (int(x) for x in text.split(":"))
-    paths[f"pallas_gpu[{text}]"] = ("pallas_gpu",
-                                    pallas_gpu.Settings(rows, block_v, warps, stages))
+  for text, settings in _flags.kernel_settings(settings_texts, pallas_gpu.Settings):
+    paths[f"pallas_gpu[{text}]"] = ("pallas_gpu", settings)
   return paths
 
 
@@ -62,7 +60,7 @@ def measure(n, v, iters, settings_texts):
     err = max(float(np.max(np.abs(np.asarray(g[:CHECKED_ROWS], np.float64) - w) / scale))
               for g, w in zip(got, want))
     rows.append({"shape": f"{n}x{v}", "path": name, "ms": round(1e3 * seconds, 4),
-                 "gb_per_s": round(n * v * 4 / seconds / 1e9, 1), "max_err": err})
+                 "gb_per_s": round(n * v * 4 / seconds / 1e9, 3), "max_err": err})
   return rows
 
 

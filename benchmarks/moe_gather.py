@@ -44,9 +44,8 @@ NUM_EXPERTS = 64
 def _paths(settings_texts):
   """name → (gather, launch settings or None)."""
   paths = {"xla": ("xla", None), "pallas_gpu": ("pallas_gpu", None)}   # interpreted off a GPU
-  for text in settings_texts:
-    rows, cols, warps = (int(v) for v in text.split(":"))
-    paths[f"pallas_gpu[{text}]"] = ("pallas_gpu", pallas_gpu_rows.Settings(rows, cols, warps))
+  for text, settings in _flags.kernel_settings(settings_texts, pallas_gpu_rows.Settings):
+    paths[f"pallas_gpu[{text}]"] = ("pallas_gpu", settings)
   return paths
 
 
