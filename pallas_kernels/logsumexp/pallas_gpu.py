@@ -32,8 +32,8 @@ _MIN_BLOCK_V = 128
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """Launch parameters. Validated on construction."""
-  rows: int = 4           # rows per program, at most (a power of two dividing the row count)
-  block_v: int = 2048     # columns per loop step, at most (a power of two dividing V, >= 128)
+  rows: int = 1           # rows per program, at most (a power of two dividing the row count)
+  block_v: int = 4096     # columns per loop step, at most (a power of two dividing V, >= 128)
   num_warps: int = 4      # 1, 2, 4, 8 or 16
   num_stages: int = 3     # Triton's software pipelining of the column loop's loads
 
