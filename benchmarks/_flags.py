@@ -125,3 +125,12 @@ def kernel_settings(texts, settings_type) -> list[tuple[str, Any]]:
       raise ValueError(f"--kernel_settings: {text!r} is not colon-separated integers") from None
     out.append((text, settings_type(*fields)))
   return out
+
+
+def kernel_paths(texts, settings_type) -> dict:
+  """The paths a kernel benchmark times, name → (backend, launch settings or None): "xla",
+  "pallas_gpu" at its default settings, and "pallas_gpu[text]" for each `kernel_settings` entry."""
+  paths = {"xla": ("xla", None), "pallas_gpu": ("pallas_gpu", None)}
+  for text, settings in kernel_settings(texts, settings_type):
+    paths[f"pallas_gpu[{text}]"] = ("pallas_gpu", settings)
+  return paths

@@ -37,13 +37,6 @@ FLAGS = (
 CHECKED_ROWS = 64
 
 
-def _paths(settings_texts):
-  """name → (backend, launch settings or None)."""
-  paths = {"xla": ("xla", None), "pallas_gpu": ("pallas_gpu", None)}
-  for text, settings in _flags.kernel_settings(settings_texts, pallas_gpu.Settings):
-    paths[f"pallas_gpu[{text}]"] = ("pallas_gpu", settings)
-  return paths
-
 
 def measure(n, v, iters, settings_texts):
   kx, kt = jax.random.split(jax.random.key(0))
@@ -51,7 +44,8 @@ def measure(n, v, iters, settings_texts):
   t = jax.random.randint(kt, (n,), 0, v, jnp.int32)
   want = reference.logsumexp_and_pick(np.asarray(x[:CHECKED_ROWS]), np.asarray(t[:CHECKED_ROWS]))
   rows = []
-  for name, (backend, settings) in _paths(settings_texts).items():
+  paths = _flags.kernel_paths(settings_texts, pallas_gpu.Settings)
+  for name, (backend, settings) in paths.items():
     with pallas_gpu.configured(**(vars(settings) if settings else {})):
       fn = jax.jit(lambda a, b, be=backend: logsumexp.logsumexp_and_pick(a, b, backend=be))
       got = fn(x, t)

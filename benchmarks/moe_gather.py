@@ -41,13 +41,6 @@ FLAGS = (
 NUM_EXPERTS = 64
 
 
-def _paths(settings_texts):
-  """name → (gather, launch settings or None)."""
-  paths = {"xla": ("xla", None), "pallas_gpu": ("pallas_gpu", None)}   # interpreted off a GPU
-  for text, settings in _flags.kernel_settings(settings_texts, pallas_gpu_rows.Settings):
-    paths[f"pallas_gpu[{text}]"] = ("pallas_gpu", settings)
-  return paths
-
 
 def measure(t, d, k, iters, settings_texts):
   kx, ki, kc = jax.random.split(jax.random.key(0), 3)
@@ -56,7 +49,8 @@ def measure(t, d, k, iters, settings_texts):
   ct = jax.random.normal(kc, (t, d), jnp.float32)
   perm = jnp.argsort(idx.reshape(-1), stable=True).astype(jnp.int32)
   rows, want = [], None
-  for name, (gather, settings) in _paths(settings_texts).items():
+  paths = _flags.kernel_paths(settings_texts, pallas_gpu_rows.Settings)
+  for name, (gather, settings) in paths.items():
     with pallas_gpu_rows.configured(**(vars(settings) if settings else {})):
       sort = jax.jit(lambda a: permute.sort_rows(a, perm, k, gather))
 

@@ -54,7 +54,8 @@ def fused_head_cross_entropy(x_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.
 
 
 def chunked_token_stats(x_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, *,
-                        chunk_tokens: int, dtype, lse_backend: str = "xla") -> tuple[jax.Array, jax.Array]:
+                        chunk_tokens: int, dtype,
+                        lse_backend: str = "xla") -> tuple[jax.Array, jax.Array]:
   """(per-position cross-entropy nll [B, T] fp32, argmax of the logits [B, T] int32), no gradient.
 
   The logits of softmax(x · W) are computed as in `fused_head_cross_entropy` (`dtype` GEMM, fp32

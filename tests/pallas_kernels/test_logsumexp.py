@@ -97,8 +97,8 @@ def test_fused_head_loss_with_the_kernel_equals_the_xla_path():
 
 def test_backend_choice_and_bad_input():
   assert logsumexp.resolve_backend("xla") == "xla"
-  assert logsumexp.resolve_backend("auto", 8, 1024) == ("pallas_gpu" if jax.default_backend() == "gpu"
-                                                        and jax.device_count() == 1 else "xla")
+  one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
+  assert logsumexp.resolve_backend("auto", 8, 1024) == ("pallas_gpu" if one_gpu else "xla")
   assert not pallas_gpu.supports(8, 1000, jnp.float32)          # 1000 = 8 · 125: no 128-block
   assert pallas_gpu.supports(8, 163_840, jnp.float32)
   with pytest.raises(ValueError, match="unknown backend 'triton'"):
@@ -112,8 +112,9 @@ def test_backend_choice_and_bad_input():
   with pytest.raises(ValueError, match="block_v must be a power of two >= 128"):
     pallas_gpu.Settings(block_v=64)
   with pytest.raises(ValueError, match="unknown backend 'nope'"):
-    fused_head_cross_entropy(jnp.zeros((1, 4, 2)), jnp.zeros((2, 128)), jnp.zeros((1, 4), jnp.int32),
-                             jnp.ones((1, 4)), chunk_tokens=2, dtype=jnp.float32, lse_backend="nope")
+    fused_head_cross_entropy(jnp.zeros((1, 4, 2)), jnp.zeros((2, 128)),
+                             jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4)), chunk_tokens=2,
+                             dtype=jnp.float32, lse_backend="nope")
   cfg = k3_tiny.get_config()
   cfg.model.head_lse_backend = "nope"
   with pytest.raises(config_lib.ConfigError, match="model.head_lse_backend"):
