@@ -256,8 +256,9 @@ def test_errors_are_value_errors_and_copies_unaffected():
 
 
 def test_h200_proxy_validates_and_fits_one_h200():
-  """k3_h200 keeps K3's per-head shapes and its fp32 weights, AdamW moments and gradients
-  (16 bytes per parameter) leave at least 40 GB of a 141 GB H200 for activations."""
+  """k3_h200 keeps K3's per-head shapes, and its fp32 weights and gradients with AdamW's moments
+  (at most 16 bytes per parameter; its first moment is bf16) leave at least 40 GB of a 141 GB
+  H200 for activations."""
   from tests.configs import k3_h200
   from k3train.model.counting import count
   cfg = config_lib.validate(k3_h200.get_config())
@@ -265,6 +266,7 @@ def test_h200_proxy_validates_and_fits_one_h200():
   assert m.kda.head_dim == 128 and m.mla.qk_nope_head_dim == 128 and m.mla.v_head_dim == 128
   assert m.moe.latent_dim < m.d_model and m.moe.top_k > 1
   assert count(cfg)["total_params"] * 16 < 100e9
+  assert m.remat_policy == "selective_kda" and cfg.optim.adam_mu_dtype == "bfloat16"
   # Its 21 layers run unrolled (faster on one GPU), but they keep K3's pattern: scanned, they
   # would form super-blocks of [KDA, KDA, KDA, MLA] between an unscanned prefix and suffix.
   assert not m.scan_layers
