@@ -60,8 +60,8 @@ def get_config():
   c.train.global_batch_size = 48
   c.train.microbatches = 12
   c.train.loss_chunk_tokens = 1024
-  # AdamW's first moment in bf16 (the second stays fp32), as DeepSeek-V3 trains: 8.4 GiB less
-  # state, which pays for the KDA residuals kept above.
+  # AdamW's first moment in bf16, the second in fp32 (DeepSeek-V3 trained with both in bf16):
+  # 8.4 GiB less state, which pays for the KDA residuals kept above.
   c.optim.adam_mu_dtype = "bfloat16"
   c.train.steps = 1000
   c.optim.warmup_steps = 100
