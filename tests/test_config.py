@@ -316,3 +316,20 @@ def test_xla_options_are_typed_name_value_pairs():
 def test_malformed_xla_options_are_named(text, fragment):
   expect_error(rebuilt(k3_tiny.get_config(), "train", "xla_options", text),
                "train.xla_options", fragment)
+
+
+def test_performance_guide_names_config_keys_that_exist():
+  """Every `model.…`, `train.…`, `optim.…` key docs/performance.md names resolves in the config,
+  so the guide's settings stay the ones a run can set."""
+  import pathlib
+  import re
+  from tests.configs import k3_h200
+  text = (pathlib.Path(__file__).parents[1] / "docs" / "performance.md").read_text()
+  keys = set(re.findall(r"`((?:model|train|optim|data)\.[a-z_.]+[a-z_])(?:=[^`]*)?`", text))
+  assert len(keys) >= 10, keys
+  cfg = k3_h200.get_config()
+  for key in sorted(keys):
+    node = cfg
+    for part in key.split("."):
+      assert part in node, f"docs/performance.md names {key}, which the config does not have"
+      node = node[part]
